@@ -1,0 +1,25 @@
+"""One exception type per family; each message says what to change."""
+
+
+class PlaitError(Exception):
+    """Base class of every error plait raises on purpose."""
+
+
+class ConfigError(PlaitError):
+    """An invalid configuration: unknown key, wrong type, inconsistent sizes."""
+
+
+class TopologyError(PlaitError):
+    """A mesh that does not fit the world size or the process group."""
+
+
+class CommError(PlaitError):
+    """A collective that failed or did not complete in time (watchdog)."""
+
+
+class CheckpointError(PlaitError):
+    """A checkpoint that is missing, truncated, corrupted or does not fit the run."""
+
+
+class DataParallelError(PlaitError):
+    """Misuse of data parallelism, e.g. parameters that received no gradient."""
