@@ -1,0 +1,209 @@
+"""The device mesh: named axes pp, dp, ep, tp laid over the ranks of a process group.
+
+Axes run from outermost to innermost (pp, dp, ep, tp): tp changes fastest from one global rank to
+the next, so tensor-parallel peers sit on the closest devices (one node's NVLink), and pipeline
+stages, which exchange the least, sit furthest apart. A `Mesh` is built on torch's `DeviceMesh`
+and is passed explicitly to every function that communicates; plait keeps no global mesh.
+
+The mesh also owns what every collective must be recorded in (see `plait.comm`): the ledger of
+bytes moved per step, the flight recorder of the last operations, and the watchdog that turns a
+stuck collective into an error naming the rank, the operation and the axis.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from plait.comm.ledger import Ledger
+from plait.comm.recorder import FlightRecorder, Watchdog
+from plait.errors import TopologyError
+
+AXES = ("pp", "dp", "ep", "tp")
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def default_device() -> torch.device:
+    """CUDA (one device per local rank) when available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device | str) -> str:
+    """NCCL for CUDA devices, gloo for the CPU."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_distributed(device: torch.device | str | None = None, timeout_s: float = 1800.0) -> torch.device:
+    """Initialise the default process group from the torchrun environment (RANK, WORLD_SIZE, ...).
+
+    The backend follows the device: gloo on the CPU, NCCL on CUDA. Returns the device this rank
+    computes on. Does nothing but return the device when a group is already initialised.
+    """
+    dev = torch.device(device) if device is not None else default_device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise TopologyError(
+                f"no process group and no launcher environment ({', '.join(missing)} unset): "
+                "start with `plait train` or `torchrun`, or call torch.distributed.init_process_group first"
+            )
+        dist.init_process_group(
+            backend=backend_for(dev),
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    return dev
+
+
+class Mesh:
+    """Named parallel axes over the ranks of the initialised default process group.
+
+    >>> mesh = Mesh(dp=2)                 # inside an initialised group of 2 ranks
+    >>> mesh.size("dp"), mesh.rank("dp"), mesh.group("dp")
+
+    Every axis defaults to 1; the product of the sizes must equal the world size. Axes of size 1
+    have no process group (`group()` returns None) and collectives over them are free no-ops.
+
+    Args:
+        pp, dp, ep, tp: sizes of the pipeline, data, expert and tensor parallel axes.
+        device: the device this rank computes on; default CUDA if available, else CPU. The
+            process group's backend must suit it (NCCL for CUDA, gloo for the CPU).
+        timeout_s: a collective that has not completed after this many seconds is a hang: the
+            watchdog reports it and ends the process (see `plait.comm.recorder.Watchdog`).
+        watchdog: set False to run without the watchdog thread (e.g. for a single process).
+    """
+
+    def __init__(
+        self,
+        pp: int = 1,
+        dp: int = 1,
+        ep: int = 1,
+        tp: int = 1,
+        *,
+        device: torch.device | str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        watchdog: bool = True,
+    ):
+        sizes = {"pp": pp, "dp": dp, "ep": ep, "tp": tp}
+        for name, n in sizes.items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise TopologyError(f"mesh axis {name} must be a positive integer, got {n!r}")
+        if not dist.is_initialized():
+            raise TopologyError(
+                "Mesh needs an initialised process group: call plait.mesh.init_distributed() "
+                "(or torch.distributed.init_process_group) first"
+            )
+        world = dist.get_world_size()
+        product = math.prod(sizes.values())
+        if product != world:
+            shape = " x ".join(f"{k}={v}" for k, v in sizes.items())
+            raise TopologyError(
+                f"mesh {shape} covers {product} ranks but the world size is {world}: "
+                f"make the product of pp, dp, ep and tp equal {world}"
+            )
+        if timeout_s <= 0:
+            raise TopologyError(f"timeout_s must be positive, got {timeout_s}")
+        self.sizes = sizes
+        self.world_size = world
+        self.global_rank = dist.get_rank()
+        self.device = torch.device(device) if device is not None else default_device()
+        expected = backend_for(self.device)
+        actual = dist.get_backend()
+        if expected not in actual:
+            raise TopologyError(
+                f"device {self.device} needs the {expected} backend but the process group uses {actual}"
+            )
+        self.coords = self._coordinates(self.global_rank)
+        active = [a for a in AXES if sizes[a] > 1] or ["dp"]
+        self.device_mesh = dist.init_device_mesh(
+            self.device.type, tuple(sizes[a] for a in active), mesh_dim_names=tuple(active)
+        )
+        self._groups = {a: (self.device_mesh.get_group(a) if sizes[a] > 1 else None) for a in AXES}
+        self._axis_ranks = {a: self._ranks_along(a) for a in AXES}
+        self.timeout_s = float(timeout_s)
+        self.ledger = Ledger()
+        self.recorder = FlightRecorder(rank=self.global_rank)
+        self.watchdog: Watchdog | None = None
+        if watchdog and world > 1:
+            self.watchdog = Watchdog(self.recorder, self.global_rank, world, timeout_s=self.timeout_s)
+            self.watchdog.start()
+
+    # --- geometry ---------------------------------------------------------------------------
+
+    def _coordinates(self, rank: int) -> dict[str, int]:
+        coords = {}
+        for axis in reversed(AXES):  # tp is innermost: it varies fastest with the rank
+            coords[axis] = rank % self.sizes[axis]
+            rank //= self.sizes[axis]
+        return {a: coords[a] for a in AXES}
+
+    def _global_rank(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for axis in AXES:
+            rank = rank * self.sizes[axis] + coords[axis]
+        return rank
+
+    def _ranks_along(self, axis: str) -> list[int]:
+        return [self._global_rank({**self.coords, axis: i}) for i in range(self.sizes[axis])]
+
+    def _check_axis(self, axis: str) -> None:
+        if axis not in self.sizes:
+            raise TopologyError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)}")
+
+    def size(self, axis: str) -> int:
+        """Number of ranks along `axis`."""
+        self._check_axis(axis)
+        return self.sizes[axis]
+
+    def rank(self, axis: str) -> int:
+        """This rank's index along `axis` (its coordinate)."""
+        self._check_axis(axis)
+        return self.coords[axis]
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """The process group of this rank's line along `axis`; None when the axis has size 1."""
+        self._check_axis(axis)
+        return self._groups[axis]
+
+    def ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's line along `axis`, in axis order."""
+        self._check_axis(axis)
+        return list(self._axis_ranks[axis])
+
+    def global_rank_of(self, axis: str, index: int) -> int:
+        """Global rank of the peer at position `index` along `axis` (other coordinates as ours)."""
+        return self.ranks(axis)[index]
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.global_rank == 0
+
+    def shape_str(self) -> str:
+        return " x ".join(f"{a}={self.sizes[a]}" for a in AXES)
+
+    def __repr__(self) -> str:
+        return (
+            f"Mesh({self.shape_str()}, rank={self.global_rank}, coords={self.coords}, device={self.device})"
+        )
+
+    # --- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the watchdog. Call before destroying the process group."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

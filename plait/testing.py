@@ -1,0 +1,221 @@
+"""Run a function on N CPU ranks from a test, and compare parallel runs with a single process.
+
+`run_ranks(fn, world_size)` spawns one process per rank, initialises a gloo process group in
+each, calls `fn(*args)` and returns the per-rank return values. A rank that raises, exits or
+hangs fails the whole call quickly: the other ranks are killed and the error lists each failed
+rank with its own traceback (or the watchdog's report). Group several checks into one call: a
+spawn costs a few seconds on a small machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class RankFailure(AssertionError):
+    """One or more ranks failed; `failures` maps rank -> its traceback or report."""
+
+    def __init__(self, message: str, failures: dict[int, str], exitcodes: dict[int, int | None]):
+        super().__init__(message)
+        self.failures = failures
+        self.exitcodes = exitcodes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, world_size: int, port: int, workdir: str, args: tuple, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        TORCHELASTIC_ERROR_FILE=os.path.join(workdir, f"error-{rank}.json"),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        result = fn(*args)
+        with open(os.path.join(workdir, f"result-{rank}.pkl"), "wb") as fh:
+            pickle.dump(result, fh)
+        dist.destroy_process_group()
+    except BaseException as exc:
+        from plait.comm.recorder import write_error_file
+
+        write_error_file(f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        os._exit(1)  # skip atexit hooks that could block on a dead peer
+
+
+def _failure_text(workdir: Path, rank: int, exitcode: int | None) -> str:
+    path = workdir / f"error-{rank}.json"
+    if path.exists():
+        try:
+            info = json.loads(path.read_text())["message"]
+            return info["extraInfo"].get("py_callstack") or info["message"]
+        except (ValueError, KeyError):
+            pass
+    return f"exited with code {exitcode} and left no traceback"
+
+
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    args: Iterable = (),
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    grace: float = 2.0,
+) -> list:
+    """Run `fn(*args)` on `world_size` gloo ranks (spawned processes); return each rank's result.
+
+    `fn` must be importable (defined at module level). Raises `RankFailure` naming every rank
+    that failed, with its traceback, as soon as one fails (after `grace` seconds for the others
+    to report their own errors), or when `timeout` seconds pass.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="plait-ranks-") as tmp:
+        workdir = Path(tmp)
+        procs = [
+            ctx.Process(target=_child, args=(fn, r, world_size, port, tmp, tuple(args), dict(env or {})))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        first_failure = None
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
+                first_failure = now
+            if now > deadline or (first_failure is not None and now - first_failure > grace):
+                break
+            time.sleep(0.05)
+        timed_out = any(p.is_alive() for p in procs) and first_failure is None
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        codes = {r: p.exitcode for r, p in enumerate(procs)}
+        failures = {}
+        for r, code in codes.items():
+            reported = (workdir / f"error-{r}.json").exists()
+            if code != 0 and (reported or code != -9):  # -9 without a report: killed by us
+                failures[r] = _failure_text(workdir, r, code)
+        if timed_out or failures or any(c != 0 for c in codes.values()):
+            head = f"timed out after {timeout:g}s" if timed_out else "ranks failed"
+            parts = [
+                f"--- rank {r} (exit code {codes[r]}) ---\n{text}" for r, text in sorted(failures.items())
+            ]
+            killed = [r for r, c in codes.items() if c == -9 and r not in failures]
+            if killed:
+                parts.append(f"(ranks {killed} were killed after the failure)")
+            raise RankFailure(
+                f"run_ranks({getattr(fn, '__name__', fn)}, {world_size}): {head}\n" + "\n".join(parts),
+                failures,
+                codes,
+            )
+        results = []
+        for r in range(world_size):
+            with open(workdir / f"result-{r}.pkl", "rb") as fh:
+                results.append(pickle.load(fh))
+        return results
+
+
+# --- parity helpers ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Mismatch:
+    name: str
+    max_abs: float
+    max_rel: float
+
+
+def state_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of a module's parameters, keyed by name (wrappers' prefixes removed)."""
+    return {_strip(n): p.detach().to("cpu", copy=True) for n, p in module.named_parameters()}
+
+
+def _strip(name: str) -> str:
+    for prefix in ("module.", "_orig_mod."):
+        while name.startswith(prefix):
+            name = name[len(prefix) :]
+    return name
+
+
+def compare_tensors(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float = 1e-6, rtol: float = 0.0
+) -> list[Mismatch]:
+    """Every entry whose max abs difference exceeds atol + rtol * |expected|; missing keys too."""
+    out = []
+    if set(actual) != set(expected):
+        diff = sorted(set(actual) ^ set(expected))
+        return [Mismatch(f"key set differs: {diff[:5]}", float("inf"), float("inf"))]
+    for name, e in expected.items():
+        a = actual[name].to(e.dtype)
+        if a.shape != e.shape:
+            out.append(
+                Mismatch(f"{name} shape {tuple(a.shape)} != {tuple(e.shape)}", float("inf"), float("inf"))
+            )
+            continue
+        d = (a - e).abs()
+        if (d > atol + rtol * e.abs()).any():
+            out.append(Mismatch(name, float(d.max()), float((d / e.abs().clamp_min(1e-12)).max())))
+    return out
+
+
+def assert_close_params(
+    actual: dict, expected: dict, atol: float = 1e-6, rtol: float = 0.0, what: str = ""
+) -> None:
+    bad = compare_tensors(actual, expected, atol, rtol)
+    if bad:
+        lines = "\n".join(f"  {m.name}: max abs {m.max_abs:.3e}, max rel {m.max_rel:.3e}" for m in bad[:10])
+        raise AssertionError(f"{what} parameters differ beyond atol={atol}, rtol={rtol}:\n{lines}")
+
+
+def assert_close_losses(
+    actual: list[float], expected: list[float], atol: float = 1e-6, rtol: float = 0.0, what: str = ""
+) -> None:
+    if len(actual) != len(expected):
+        raise AssertionError(f"{what} {len(actual)} losses vs {len(expected)} expected")
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if abs(a - e) > atol + rtol * abs(e):
+            raise AssertionError(
+                f"{what} loss at step {i}: {a!r} vs reference {e!r} (|diff| {abs(a - e):.3e})"
+            )
+
+
+def single_process_reference(
+    build: Callable[[], tuple], batches: list, steps: int
+) -> tuple[list[float], dict]:
+    """Train on one process: `build()` -> (model, optimizer, loss_fn); each step consumes one
+    entry of `batches` (the global batch) as `loss_fn(model, batch)`. Returns (losses, params)."""
+    model, optimizer, loss_fn = build()
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batches[step])
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses, state_of(model)
