@@ -1,0 +1,288 @@
+"""A GPT-2 style decoder-only transformer in plain PyTorch.
+
+The architecture follows GPT-2 (Radford et al. 2019, "Language Models are Unsupervised Multitask
+Learners", §2.3): learned token and position embeddings, pre-LayerNorm residual blocks
+(``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``), a final LayerNorm and a language-model head
+whose weight is tied to the token embedding (Press & Wolf 2017).
+
+Nothing here knows about parallelism. Tensor, pipeline and data parallelism are applied from
+outside and find the layers by name, so the module names are part of the interface::
+
+    wte, wpe, blocks.N.ln_1, blocks.N.attn.qkv, blocks.N.attn.proj,
+    blocks.N.ln_2, blocks.N.mlp.fc, blocks.N.mlp.proj, ln_f, lm_head
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from plait.errors import ConfigError
+
+
+@dataclass
+class GPTConfig:
+    """Sizes and switches of a :class:`GPT` model."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 for the byte-level corpora of plait.data."""
+    seq_len: int = 128
+    """Longest context the model accepts (rows of the position embedding)."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide d_model."""
+    d_model: int = 128
+    """Hidden size h."""
+    d_ff: int | None = None
+    """Inner size of the MLP; None means 4 * d_model as in GPT-2."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention probabilities and residual branches."""
+    tie_weights: bool = True
+    """Share lm_head.weight with wte.weight."""
+    bias: bool = True
+    """Biases in the linear layers and LayerNorms."""
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"GPTConfig.{field} must be a positive integer, got {value!r}")
+        if self.d_ff is not None and (not isinstance(self.d_ff, int) or self.d_ff < 1):
+            raise ConfigError(f"GPTConfig.d_ff must be a positive integer or None, got {self.d_ff!r}")
+        if self.d_model % self.n_head:
+            divisors = [n for n in range(1, self.d_model + 1) if self.d_model % n == 0 and n <= 64]
+            raise ConfigError(
+                f"GPTConfig.n_head={self.n_head} does not divide d_model={self.d_model}; "
+                f"choose n_head from {divisors} or change d_model"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def ff_dim(self) -> int:
+        """The MLP inner size actually used."""
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def n_params(self) -> int:
+        """Exact number of distinct parameters that ``GPT(self)`` creates (tied weights once)."""
+        d, f, b = self.d_model, self.ff_dim, int(self.bias)
+        layer_norm = d + b * d
+        block = (
+            2 * layer_norm
+            + (d * 3 * d + b * 3 * d)  # attn.qkv
+            + (d * d + b * d)  # attn.proj
+            + (d * f + b * f)  # mlp.fc
+            + (f * d + b * d)  # mlp.proj
+        )
+        embeddings = self.vocab_size * d + self.seq_len * d
+        head = 0 if self.tie_weights else self.vocab_size * d
+        return embeddings + self.n_layer * block + layer_norm + head
+
+
+# Named sizes, kept as constructor arguments so that every call hands out a fresh config.
+# "3m" and "20m" are byte-level models sized for CPU and single-GPU runs; the gpt2* rows are
+# the four GPT-2 sizes (Radford et al. 2019, Table 2) with the 50257-token BPE vocabulary.
+_PRESETS: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = (
+    ("tiny", (("vocab_size", 256), ("seq_len", 32), ("n_layer", 2), ("n_head", 2), ("d_model", 32))),
+    ("small", (("vocab_size", 256), ("seq_len", 128), ("n_layer", 4), ("n_head", 4), ("d_model", 128))),
+    ("3m", (("vocab_size", 256), ("seq_len", 256), ("n_layer", 4), ("n_head", 4), ("d_model", 256))),
+    ("20m", (("vocab_size", 256), ("seq_len", 512), ("n_layer", 6), ("n_head", 8), ("d_model", 512))),
+    ("gpt2", (("vocab_size", 50257), ("seq_len", 1024), ("n_layer", 12), ("n_head", 12), ("d_model", 768))),
+    (
+        "gpt2-medium",
+        (("vocab_size", 50257), ("seq_len", 1024), ("n_layer", 24), ("n_head", 16), ("d_model", 1024)),
+    ),
+    (
+        "gpt2-large",
+        (("vocab_size", 50257), ("seq_len", 1024), ("n_layer", 36), ("n_head", 20), ("d_model", 1280)),
+    ),
+    (
+        "gpt2-xl",
+        (("vocab_size", 50257), ("seq_len", 1024), ("n_layer", 48), ("n_head", 25), ("d_model", 1600)),
+    ),
+)
+
+GPT_CONFIG_NAMES: tuple[str, ...] = tuple(name for name, _ in _PRESETS)
+
+
+def gpt_config(name: str, **overrides) -> GPTConfig:
+    """A fresh :class:`GPTConfig` of the named size, with any field overridden.
+
+    >>> gpt_config("tiny", dropout=0.1).n_layer
+    2
+    """
+    presets = dict(_PRESETS)
+    if name not in presets:
+        raise ConfigError(f"unknown model config {name!r}; valid names: {', '.join(GPT_CONFIG_NAMES)}")
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ConfigError(f"unknown GPTConfig field(s) {unknown}; valid fields: {sorted(fields)}")
+    return GPTConfig(**{**dict(presets[name]), **overrides})
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention (Vaswani et al. 2017, §3.2.2) with one fused qkv GEMM.
+
+    The qkv output is laid out as ``[q | k | v]``, each ``d_model`` wide and head-major inside.
+    The number of heads is read from the qkv output width at run time, so a tensor-parallel
+    plan that keeps whole heads of q, k and v on each rank (Megatron-LM §3) needs no change here.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        n_head = q.shape[-1] // self.head_dim
+        q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
+        return self.resid_dropout(self.proj(y))
+
+
+class FeedForward(nn.Module):
+    """The position-wise MLP of GPT-2: ``proj(gelu(fc(x)))`` with the tanh GELU approximation."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.ff_dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.ff_dim, cfg.d_model, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block (GPT-2 §2.3)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 style language model; see the module docstring for the layout."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re-)initialise every parameter as GPT-2 does.
+
+        Weights are N(0, 0.02); the two projections that write into the residual stream are
+        scaled by 1/sqrt(2 * n_layer) (GPT-2 §2.3) so the residual variance does not grow with
+        depth; biases are zero and LayerNorms the identity. Public so that a model built on the
+        meta device can be materialised with ``to_empty`` and initialised afterwards.
+        """
+        std = 0.02
+        resid_std = std / math.sqrt(2 * self.cfg.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                if name == "lm_head" and self.cfg.tie_weights:
+                    continue  # shares wte.weight, initialised with the embeddings
+                scaled = name.endswith("attn.proj") or name.endswith("mlp.proj")
+                nn.init.normal_(module.weight, mean=0.0, std=resid_std if scaled else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> torch.Tensor:
+        """Logits of shape (B, T, vocab) or, given ``targets`` (B, T), the cross-entropy loss.
+
+        ``reduction="sum"`` returns the summed loss so that a data-parallel trainer can divide
+        by the number of tokens across all ranks and micro-batches instead of per rank.
+        """
+        B, T = idx.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(
+                f"sequence of {T} tokens is longer than the model's seq_len={self.cfg.seq_len}; "
+                "crop the input or build the model with a larger seq_len"
+            )
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(B * T, -1).float(), targets.reshape(B * T), reduction=reduction)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` tokens after ``idx`` (B, T); returns (B, T + max_new_tokens).
+
+        The context is cropped to the last ``seq_len`` tokens. ``temperature=0`` picks the most
+        likely token. Dropout is switched off while sampling and the mode restored afterwards.
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                logits = self(idx[:, -self.cfg.seq_len :])[:, -1, :].float()
+                if temperature == 0:
+                    nxt = logits.argmax(dim=-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k is not None:
+                        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    probs = F.softmax(logits, dim=-1)
+                    nxt = torch.multinomial(probs, num_samples=1, generator=generator)
+                idx = torch.cat([idx, nxt], dim=1)
+        finally:
+            self.train(was_training)
+        return idx
