@@ -1,0 +1,242 @@
+"""Data parallelism with bucketed gradient all-reduce overlapped with backward (Li et al. 2020).
+
+The design of PyTorch DDP's paper (VLDB 2020, §3.2-3.3):
+
+* At wrap time the parameters and buffers of dp rank 0 are broadcast, so every replica starts
+  identical.
+* Gradients are grouped into buckets of about `bucket_mb` megabytes in *reverse* registration
+  order, which is roughly the order backward produces them.
+* A hook on each parameter (fired after its gradient is accumulated) copies the gradient into
+  its bucket; when a bucket's last gradient arrives, the bucket's all-reduce is started
+  asynchronously, so communication of late layers overlaps the backward of early ones.
+  Buckets are launched strictly in index order: every rank must issue the collectives in the
+  same order.
+* At the end of backward (an autograd engine callback) all buckets are waited for, averaged,
+  and the parameters' `.grad` become views of the reduced buckets.
+* `no_sync()` skips communication so gradients accumulate locally across micro-batches.
+
+A parameter that received no gradient in a synchronised backward is an error naming it (other
+ranks would otherwise wait forever for its bucket); `allow_unused=True` reduces zeros for it.
+`comm_hook` replaces the bucket all-reduce, e.g. with a gradient compressor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.errors import DataParallelError
+from plait.mesh import Mesh
+
+CommHook = Callable[[torch.Tensor, Mesh, str], "comm.Handle"]
+
+
+class _Mean:
+    """A handle that averages the all-reduced sum when waited for."""
+
+    def __init__(self, handle: comm.Handle, flat: torch.Tensor, n: int):
+        self.handle, self.flat, self.n = handle, flat, n
+
+    def wait(self) -> torch.Tensor:
+        self.handle.wait()
+        return self.flat.div_(self.n)
+
+
+def allreduce_mean_hook(flat: torch.Tensor, mesh: Mesh, axis: str):
+    """The default: an asynchronous all-reduce (sum) of the bucket, divided by the axis size on wait."""
+    return _Mean(comm.all_reduce(flat, mesh, axis, async_op=True), flat, mesh.size(axis))
+
+
+class _Bucket:
+    def __init__(self, index: int, params: list[nn.Parameter], names: list[str]):
+        self.index = index
+        self.params = params
+        self.names = names
+        self.offsets = []
+        total = 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        self.ready: set[int] = set()
+        self.handle = None
+
+    def view(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.buffer.element_size()
+
+
+class DataParallel(nn.Module):
+    """Wrap `module` for data parallelism over `axis` of `mesh`.
+
+    Args:
+        module: any nn.Module, already on the mesh's device.
+        mesh: the plait Mesh; gradients are averaged over `axis` (default "dp").
+        bucket_mb: bucket capacity in MB (1e6 bytes); the paper's default is 25.
+        allow_unused: tolerate parameters that get no gradient (they are reduced as zeros).
+        comm_hook: `hook(flat_bucket, mesh, axis)` returning an object whose `wait()` gives the
+            averaged bucket; replaces the default all-reduce (see `allreduce_mean_hook`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: Mesh,
+        axis: str = "dp",
+        bucket_mb: float = 25.0,
+        allow_unused: bool = False,
+        comm_hook: CommHook | None = None,
+    ):
+        super().__init__()
+        if bucket_mb <= 0:
+            raise DataParallelError(f"bucket_mb must be positive, got {bucket_mb}")
+        self.module = module
+        self.mesh = mesh
+        self.axis = axis
+        self.allow_unused = allow_unused
+        self.comm_hook = comm_hook or allreduce_mean_hook
+        self._sync = True
+        self._queued = False
+        self._next_launch = 0
+        self.last_hook_time = 0.0
+        self.backward_end_time = 0.0
+        self._broadcast_state()
+        self.buckets = self._build_buckets(int(bucket_mb * 1e6))
+        self._where: dict[int, tuple[_Bucket, int]] = {}
+        self._hooks = []
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[id(p)] = (b, i)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _broadcast_state(self) -> None:
+        """Make every replica start from dp rank 0's parameters and buffers (coalesced per dtype)."""
+        if self.mesh.size(self.axis) == 1:
+            return
+        tensors = [t for t in list(self.module.parameters()) + list(self.module.buffers())]
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        seen = set()
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                by_kind.setdefault((t.dtype, t.device), []).append(t)
+        for group in by_kind.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            comm.broadcast(flat, self.mesh, self.axis, src=0)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _build_buckets(self, capacity: int) -> list[_Bucket]:
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        buckets, current, size = [], [], 0
+        for p in reversed(params):  # reverse registration order ~ the order gradients are ready
+            nbytes = p.numel() * p.element_size()
+            if current and (size + nbytes > capacity or p.dtype != current[0].dtype):
+                buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            buckets.append(current)
+        return [_Bucket(i, ps, [names[id(p)] for p in ps]) for i, ps in enumerate(buckets)]
+
+    # --- the backward path ----------------------------------------------------------------
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        bucket, i = self._where[id(p)]
+        if i in bucket.ready:
+            raise DataParallelError(
+                f"parameter {bucket.names[i]} received its gradient twice in one backward; "
+                "call backward once per forward (use no_sync() for accumulation)"
+            )
+        view = bucket.view(i)
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        bucket.ready.add(i)
+        self.last_hook_time = time.time()
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if len(b.ready) < len(b.params):
+                return
+            b.handle = self.comm_hook(b.buffer, self.mesh, self.axis)
+            self._next_launch += 1
+
+    def _finish_backward(self) -> None:
+        self._queued = False
+        missing = [b.names[i] for b in self.buckets for i in range(len(b.params)) if i not in b.ready]
+        if missing:
+            if not self.allow_unused:
+                self._reset()
+                shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                raise DataParallelError(
+                    f"{len(missing)} parameter(s) received no gradient in this backward: {shown}. "
+                    "Make every parameter take part in the loss, or pass allow_unused=True "
+                    "(or set requires_grad=False on parameters that are frozen)"
+                )
+            for b in self.buckets:
+                for i in range(len(b.params)):
+                    if i not in b.ready:
+                        b.view(i).zero_()
+                        b.ready.add(i)
+            self._launch_ready()
+        for b in self.buckets:
+            reduced = b.handle.wait()
+            if reduced is not b.buffer:
+                b.buffer.copy_(reduced)
+            for i, p in enumerate(b.params):
+                p.grad = b.view(i)
+        self.backward_end_time = time.time()
+        self._reset()
+
+    def _reset(self) -> None:
+        for b in self.buckets:
+            b.ready.clear()
+            b.handle = None
+        self._next_launch = 0
+
+    # --- public ---------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) inside this context."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def bucket_table(self) -> list[dict]:
+        """Bucket index, size in bytes and parameter names, in launch order."""
+        return [{"index": b.index, "bytes": b.nbytes, "params": list(b.names)} for b in self.buckets]
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

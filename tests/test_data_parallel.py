@@ -1,0 +1,176 @@
+"""DataParallel: parity with one process and with torch DDP, ledger, overlap, unused parameters."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+from plait.data_parallel import DataParallel
+from plait.errors import DataParallelError
+from plait.mesh import Mesh
+from plait.testing import assert_close_losses, assert_close_params, run_ranks, state_of
+
+STEPS = 20
+GLOBAL_BATCH = 8
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(16, 64),
+        nn.Tanh(),
+        nn.Linear(64, 64),
+        nn.Tanh(),
+        nn.Linear(64, 32),
+        nn.Tanh(),
+        nn.Linear(32, 4),
+    )
+
+
+def _batches(steps: int = STEPS):
+    g = torch.Generator().manual_seed(1234)
+    return [
+        (torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g))
+        for _ in range(steps)
+    ]
+
+
+def _optimizer(model, kind):
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _reference(kind: str):
+    model = _model()
+    opt = _optimizer(model, kind)
+    losses = []
+    for x, y in _batches():
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, state_of(model)
+
+
+def _train(model, opt, mesh, accum: int):
+    """Each rank takes its slice of every global batch, split into `accum` micro-batches."""
+    n, r = mesh.size("dp"), mesh.rank("dp")
+    per_rank = GLOBAL_BATCH // n
+    losses = []
+    for step, (x, y) in enumerate(_batches()):
+        mesh.ledger.set_step(step)
+        xs, ys = x[r * per_rank : (r + 1) * per_rank], y[r * per_rank : (r + 1) * per_rank]
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for i, (xm, ym) in enumerate(zip(xs.chunk(accum), ys.chunk(accum))):
+            ctx = model.no_sync() if i < accum - 1 and hasattr(model, "no_sync") else _null()
+            with ctx:
+                loss = nn.functional.mse_loss(model(xm), ym) / accum
+                loss.backward()
+            total += float(loss)
+        opt.step()
+        t = torch.tensor([total], dtype=torch.float64)
+        mesh.ledger.set_step(-1)  # keep the loss report out of the step's ledger
+        comm.all_reduce(t, mesh, "dp")
+        losses.append(float(t) / n)
+    return losses
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _parity_checks():
+    """Runs on every rank: many configurations in one spawn."""
+    n = dist.get_world_size()
+    mesh = Mesh(dp=n, timeout_s=60)
+    nparams = sum(p.numel() for p in _model().parameters())
+    for kind in ("adamw", "sgd"):
+        ref_losses, ref_params = _reference(kind)
+        for bucket_mb, accum in [(25.0, 1), (0.004, 1), (0.004, 2), (0.02, 2)]:
+            if (GLOBAL_BATCH // n) % accum:
+                continue
+            model = DataParallel(_model(seed=dist.get_rank() * 7), mesh, bucket_mb=bucket_mb)  # ranks differ:
+            opt = _optimizer(model, kind)  # the broadcast at wrap must fix it
+            mesh.ledger.clear()
+            losses = _train(model, opt, mesh, accum)
+            what = f"{kind} bucket_mb={bucket_mb} accum={accum} world={n}"
+            assert_close_losses(losses, ref_losses, atol=1e-6, what=what)
+            assert_close_params(state_of(model), ref_params, atol=1e-6, what=what)
+            # Ledger: exactly the bucket all-reduces of one step, 4 bytes x parameters in all.
+            rows = mesh.ledger.rows(STEPS - 1)
+            assert set(rows) == {("all_reduce", "dp")}, rows
+            ar = rows[("all_reduce", "dp")]
+            assert ar.count == len(model.buckets), (ar.count, len(model.buckets))
+            assert ar.payload_bytes == 4 * nparams, (ar.payload_bytes, nparams)
+            assert abs(ar.bus_bytes - 2 * (n - 1) / n * 4 * nparams) < 1e-6
+            if bucket_mb < 0.01:
+                assert len(model.buckets) > 2
+            model.remove_hooks()
+    mesh.close()
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parity_with_one_process(world):
+    assert all(run_ranks(_parity_checks, world, timeout=240))
+
+
+def _torch_ddp_and_overlap():
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    mesh = Mesh(dp=2, timeout_s=60)
+    ours = DataParallel(_model(), mesh, bucket_mb=0.004)
+    theirs = TorchDDP(_model(), bucket_cap_mb=0.004)
+    opt_a, opt_b = _optimizer(ours, "adamw"), _optimizer(theirs, "adamw")
+    _train(ours, opt_a, mesh, 1)
+    _train(theirs, opt_b, mesh, 1)
+    assert_close_params(state_of(ours), state_of(theirs), atol=1e-6, what="plait vs torch DDP")
+
+    # Overlap: with small buckets the first all-reduce starts before the last gradient is ready.
+    x, y = _batches(1)[0]
+    for _ in range(3):
+        t0 = __import__("time").time()
+        nn.functional.mse_loss(ours(x), y).backward()
+        starts = [e.t_start for e in mesh.recorder.entries() if e.op == "all_reduce" and e.t_start >= t0]
+        assert len(starts) == len(ours.buckets)
+        assert min(starts) < ours.last_hook_time <= ours.backward_end_time, (
+            min(starts),
+            ours.last_hook_time,
+        )
+
+    # Unused parameter: a clear error naming it; tolerated with allow_unused.
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    bad = DataParallel(Two(), mesh)
+    try:
+        bad(torch.randn(2, 4)).sum().backward()
+        raise AssertionError("no error for an unused parameter")
+    except (DataParallelError, RuntimeError) as exc:
+        assert "unused.weight" in str(exc) and "allow_unused" in str(exc), str(exc)
+    ok = DataParallel(Two(), mesh, allow_unused=True)
+    ok(torch.randn(2, 4) * (1 + dist.get_rank())).sum().backward()
+    assert ok.module.unused.weight.grad is not None and float(ok.module.unused.weight.grad.abs().sum()) == 0
+    g = ok.module.used.weight.grad.clone()
+    comm.all_reduce(g, mesh, "dp")
+    assert torch.allclose(g / 2, ok.module.used.weight.grad)  # identical (averaged) on both ranks
+    mesh.close()
+    return True
+
+
+def test_matches_torch_ddp_overlaps_and_names_unused():
+    assert all(run_ranks(_torch_ddp_and_overlap, 2, timeout=180))
