@@ -1,0 +1,187 @@
+"""Checkpoints through torch.distributed.checkpoint (DCP), saved atomically and verified on load.
+
+Layout under `<run_dir>/checkpoints/`:
+
+    step_00000100/          one DCP checkpoint (.metadata + per-rank .distcp files)
+        MANIFEST.json       step, world size and the SHA-256 and size of every file
+    latest                  the name of the newest complete checkpoint
+
+A save writes into `step_N.tmp/`, and only when every rank has finished does rank 0 write the
+manifest and rename the directory, then replace `latest` (write-then-rename): a crash at any
+point mid-save leaves the previous checkpoint and `latest` untouched. A load checks the manifest
+before DCP reads anything, so a truncated or corrupted file is reported as such, with its name.
+
+What is saved: the model and optimizer (`get_state_dict`, keyed by parameter name), the LR
+schedule, the step, the sampler position, and every rank's RNG states (own keys per rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from plait import comm
+from plait.errors import CheckpointError
+from plait.mesh import Mesh
+
+MANIFEST = "MANIFEST.json"
+LATEST = "latest"
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _rng_state() -> torch.Tensor:
+    buf = io.BytesIO()
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _set_rng_state(t: torch.Tensor) -> None:
+    state = torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=True)
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(
+    root: str | Path, step: int, mesh: Mesh, model, optimizer, scheduler, sampler, keep: int = 2
+) -> Path:
+    """Save everything needed to continue bit for bit; returns the checkpoint directory."""
+    root = Path(root)
+    final = _step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if mesh.is_rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+    comm.barrier(mesh)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {
+        "model": model_sd,
+        "optim": optim_sd,
+        "extra": {
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "sampler": sampler.state_dict(),
+            "world_size": mesh.world_size,
+        },
+        f"rng_rank{mesh.global_rank}": _rng_state(),
+    }
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+    except Exception as exc:
+        raise CheckpointError(
+            f"saving checkpoint of step {step} to {tmp} failed: {exc}; the previous checkpoint is intact"
+        ) from exc
+    comm.barrier(mesh)  # every rank's files are written
+    if mesh.is_rank0:
+        files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+        _write_atomic(
+            tmp / MANIFEST,
+            json.dumps({"step": step, "world_size": mesh.world_size, "files": files}, indent=1),
+        )
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomic(root / LATEST, final.name)
+        _prune(root, keep)
+    comm.barrier(mesh)
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    root = Path(root)
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    path = root / pointer.read_text().strip()
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{pointer} names {path.name}, which does not exist: the checkpoint was removed"
+        )
+    return path
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Check the manifest: every file present, of the recorded size and checksum. Returns it."""
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        raise CheckpointError(
+            f"{path} has no {MANIFEST}: the save did not complete; use an earlier checkpoint"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{manifest_path} is unreadable ({exc}): the checkpoint is corrupted") from None
+    for name, info in files.items():
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"checkpoint {path} lacks {name}: it is incomplete")
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {f} has {size} bytes, {info['bytes']} expected: it is truncated"
+            )
+        if _sha256(f) != info["sha256"]:
+            raise CheckpointError(f"checkpoint file {f} fails its SHA-256 check: it is corrupted")
+    return manifest
+
+
+def load_checkpoint(path: str | Path, mesh: Mesh, model, optimizer, scheduler, sampler) -> int:
+    """Restore a checkpoint saved by `save_checkpoint`; returns its step."""
+    path = Path(path)
+    manifest = verify_checkpoint(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    rng_key = f"rng_rank{mesh.global_rank}"
+    state = {"model": model_sd, "optim": optim_sd, "extra": {}}
+    same_world = manifest.get("world_size") == mesh.world_size
+    if same_world:
+        state[rng_key] = _rng_state()
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as exc:
+        raise CheckpointError(f"loading {path} failed: {exc}") from exc
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = state["extra"]
+    scheduler.load_state_dict(extra["scheduler"])
+    sampler.load_state_dict(extra["sampler"])
+    if same_world:
+        _set_rng_state(state[rng_key])
+    return int(extra["step"])

@@ -1,0 +1,330 @@
+"""Training configuration: dataclasses with a doc per field, loaded from TOML, overridden on the CLI.
+
+    [train]
+    steps = 300
+
+    plait train configs/default.toml --train.steps 50 --parallel.dp 2
+
+Loading is strict. An unknown section or key is an error naming the nearest valid one; a value
+of the wrong type, a negative size or an inconsistent combination (the world size not divisible
+into the batch, heads not divisible by tp, ...) is rejected here, in the launching process,
+before any rank starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import tomllib
+import types
+import typing
+from pathlib import Path
+
+from plait.errors import ConfigError
+
+
+def _f(default, doc: str, **kw):
+    """A dataclass field carrying its documentation (shown by `plait train --help`)."""
+    if isinstance(default, list | dict):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"doc": doc}, **kw)
+    return dataclasses.field(default=default, metadata={"doc": doc}, **kw)
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """The GPT to train: a named size, optionally with some dimensions overridden."""
+
+    name: str = _f("small", "named size: tiny, small, 3m, 20m, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+    n_layer: int | None = _f(None, "transformer blocks (default: from the named size)")
+    n_head: int | None = _f(None, "attention heads per block (default: from the named size)")
+    d_model: int | None = _f(None, "hidden size h (default: from the named size)")
+    d_ff: int | None = _f(None, "MLP inner size (default: 4 x d_model)")
+    seq_len: int | None = _f(None, "context length in tokens (default: from the named size)")
+    dropout: float = _f(0.0, "dropout probability on attention, residual and embedding outputs")
+    tie_weights: bool = _f(True, "share the token embedding with the output head")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """The text to train on."""
+
+    corpus: str = _f("pydoc", "'pydoc' (CPython's bundled documentation text) or 'file:PATH' for a text file")
+    held_out_fraction: float = _f(0.05, "fraction of the corpus (its end) kept for the held-out loss")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The optimisation and the run."""
+
+    steps: int = _f(300, "optimizer steps to train for")
+    global_batch: int = _f(16, "sequences per optimizer step, summed over all data-parallel ranks")
+    micro_batches: int = _f(1, "gradient-accumulation micro-batches per step on each rank")
+    lr: float = _f(3e-3, "peak learning rate (AdamW)")
+    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = _f(30, "linear warm-up steps before the cosine decay")
+    weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on biases, norms)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
+    bf16: bool = _f(False, "compute in bfloat16 autocast (parameters and optimizer stay fp32)")
+    activation_checkpointing: bool = _f(False, "recompute each block's activations in backward")
+    seed: int = _f(0, "seed of the model initialisation, the data order and dropout")
+    log_every: int = _f(10, "print a summary line and flush metrics every this many steps")
+    eval_every: int = _f(100, "held-out evaluation every this many steps (0 = only at the end)")
+    eval_batches: int = _f(8, "held-out batches (of global_batch sequences) per evaluation")
+    checkpoint_every: int = _f(100, "save a checkpoint every this many steps (0 = only at the end)")
+    keep_checkpoints: int = _f(2, "how many recent checkpoints to keep")
+    stop_at: int = _f(
+        0, "stop after this step as if interrupted (0 = run all steps); for tests and pre-emption"
+    )
+    run_dir: str = _f("", "where the run writes its files (default: runs/<timestamp> under the current dir)")
+    sample_tokens: int = _f(200, "bytes of text to sample from the model at the end (0 = none)")
+    device: str = _f("auto", "'auto' (CUDA if available), 'cpu' or 'cuda'")
+    progress: bool = _f(True, "show a progress bar on rank 0")
+    peak_tflops: float = _f(
+        0.0, "peak TFLOP/s per rank for MFU (0 = measure on the CPU / datasheet on a GPU)"
+    )
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """How the work is split; the world size is the product pp x dp x ep x tp."""
+
+    dp: int = _f(2, "data-parallel degree")
+    tp: int = _f(1, "tensor-parallel degree (issue #4; only 1 for now)")
+    pp: int = _f(1, "pipeline-parallel degree (issue #5; only 1 for now)")
+    ep: int = _f(1, "expert-parallel degree (only 1 for now)")
+    bucket_mb: float = _f(25.0, "gradient bucket size in MB for the data-parallel all-reduce")
+
+
+@dataclasses.dataclass
+class CommConfig:
+    """Communication."""
+
+    timeout_s: float = _f(300.0, "a collective pending longer than this is a hang: the job is stopped")
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    comm: CommConfig = dataclasses.field(default_factory=CommConfig)
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p.pp * p.dp * p.ep * p.tp
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The resolved configuration as TOML (unset optional keys are left out)."""
+        out = []
+        for section, values in self.to_dict().items():
+            out.append(f"[{section}]")
+            for key, value in values.items():
+                if value is not None:
+                    out.append(f"{key} = {json.dumps(value)}")
+            out.append("")
+        return "\n".join(out)
+
+
+_SECTION_TYPES = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+    "comm": CommConfig,
+}
+
+
+def _nearest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(sorted(choices))}"
+
+
+def _field_types(cls) -> dict[str, tuple[type, bool]]:
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        optional = False
+        if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:
+            args = [a for a in typing.get_args(t) if a is not type(None)]
+            optional, t = True, args[0]
+        out[f.name] = (t, optional)
+    return out
+
+
+def _coerce(where: str, value, t: type, optional: bool, from_cli: bool):
+    if from_cli and isinstance(value, str):
+        if optional and value.lower() in ("none", "null", ""):
+            return None
+        try:
+            if t is bool:
+                low = value.lower()
+                if low not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return low in ("true", "1", "yes")
+            if t is int:
+                f = float(value)
+                if not f.is_integer():
+                    raise ValueError
+                return int(f)
+            return t(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected {t.__name__}, got {value!r}") from None
+    if value is None and optional:
+        return None
+    if t is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, t) or (t is int and isinstance(value, bool)):
+        raise ConfigError(f"{where}: expected {t.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _apply(cfg: Config, section: str, key: str, value, from_cli: bool) -> None:
+    if section not in _SECTION_TYPES:
+        raise ConfigError(f"unknown section [{section}]{_nearest(section, _SECTION_TYPES)}")
+    types_ = _field_types(_SECTION_TYPES[section])
+    if key not in types_:
+        full = [f"{section}.{k}" for k in types_]
+        raise ConfigError(f"unknown key '{section}.{key}'{_nearest(f'{section}.{key}', full)}")
+    t, optional = types_[key]
+    setattr(getattr(cfg, section), key, _coerce(f"{section}.{key}", value, t, optional, from_cli))
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """['--train.steps', '50', '--parallel.dp=2'] -> [('train.steps', '50'), ('parallel.dp', '2')]."""
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or "." not in a:
+            raise ConfigError(f"unexpected argument {a!r}: overrides look like --section.key value")
+        if "=" in a:
+            k, v = a[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{a} needs a value")
+            k, v = a[2:], args[i + 1]
+            i += 2
+        out.append((k, v))
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]] = ()) -> Config:
+    """Defaults <- TOML file <- command-line overrides, then validated."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(
+                    f"{p}: top-level key {section!r} must be a [section]{_nearest(section, _SECTION_TYPES)}"
+                )
+            for key, value in values.items():
+                _apply(cfg, section, key, value, from_cli=False)
+    for dotted, value in overrides:
+        section, _, key = dotted.partition(".")
+        _apply(cfg, section, key, value, from_cli=True)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    """The inverse of `Config.to_dict()` (validated)."""
+    cfg = Config()
+    for section, values in data.items():
+        for key, value in values.items():
+            _apply(cfg, section, key, value, from_cli=False)
+    validate(cfg)
+    return cfg
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Reject inconsistent values with a message that says what to change."""
+    t, p = cfg.train, cfg.parallel
+    for name in ("dp", "tp", "pp", "ep"):
+        _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    for name in ("tp", "pp", "ep"):
+        _require(
+            getattr(p, name) == 1,
+            f"parallel.{name} = {getattr(p, name)} is not available yet: only data parallelism (parallel.dp) "
+            f"is implemented in this version; set parallel.{name} = 1",
+        )
+    _require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
+    for name in ("steps", "global_batch", "micro_batches", "log_every", "eval_batches", "keep_checkpoints"):
+        _require(getattr(t, name) >= 1, f"train.{name} must be >= 1, got {getattr(t, name)}")
+    for name in ("warmup_steps", "eval_every", "checkpoint_every", "stop_at", "sample_tokens", "seed"):
+        _require(getattr(t, name) >= 0, f"train.{name} must be >= 0, got {getattr(t, name)}")
+    _require(
+        t.lr > 0 and 0 <= t.min_lr <= t.lr,
+        f"need 0 <= train.min_lr <= train.lr and lr > 0 (lr={t.lr}, min_lr={t.min_lr})",
+    )
+    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
+    _require(t.grad_clip >= 0 and t.weight_decay >= 0, "train.grad_clip and train.weight_decay must be >= 0")
+    _require(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {t.device!r}")
+    _require(t.peak_tflops >= 0, "train.peak_tflops must be >= 0")
+    per = p.dp * t.micro_batches
+    if t.global_batch % per:
+        lo, hi = (t.global_batch // per) * per, math.ceil(t.global_batch / per) * per
+        raise ConfigError(
+            f"train.global_batch = {t.global_batch} does not split into parallel.dp = {p.dp} ranks x "
+            f"train.micro_batches = {t.micro_batches}: use a multiple of {per} (e.g. {lo or hi} or {hi})"
+        )
+    _require(
+        0 < cfg.data.held_out_fraction <= 0.5,
+        f"data.held_out_fraction must be in (0, 0.5], got {cfg.data.held_out_fraction}",
+    )
+    _require(0 <= cfg.model.dropout < 1, f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
+    _require(cfg.comm.timeout_s > 0, f"comm.timeout_s must be positive, got {cfg.comm.timeout_s}")
+    m = model_config(cfg)
+    for name in ("n_layer", "n_head", "d_model", "seq_len"):
+        _require(getattr(m, name) >= 1, f"model.{name} must be >= 1, got {getattr(m, name)}")
+    _require(
+        m.d_model % m.n_head == 0,
+        f"model.d_model = {m.d_model} is not divisible by model.n_head = {m.n_head}",
+    )
+    _require(m.n_head % p.tp == 0, f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}")
+    _require(m.n_layer % p.pp == 0, f"model.n_layer = {m.n_layer} is not divisible by parallel.pp = {p.pp}")
+
+
+def model_config(cfg: Config):
+    """The GPTConfig the run builds: the named size with the overrides applied."""
+    from plait.models import gpt_config
+
+    m = cfg.model
+    overrides = {
+        k: getattr(m, k)
+        for k in ("n_layer", "n_head", "d_model", "d_ff", "seq_len")
+        if getattr(m, k) is not None
+    }
+    return gpt_config(m.name, dropout=m.dropout, tie_weights=m.tie_weights, **overrides)
+
+
+def describe_keys() -> str:
+    """Every key with its type, default and doc, for `plait train --help`."""
+    lines = []
+    for section, cls in _SECTION_TYPES.items():
+        lines.append(f"[{section}]  {cls.__doc__.strip()}")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  --{section}.{f.name} (default {default!r}): {f.metadata.get('doc', '')}")
+    return "\n".join(lines)

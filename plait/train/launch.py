@@ -1,0 +1,144 @@
+"""Start the configured number of ranks with torch's own launcher (torch.distributed.elastic).
+
+* Under an outer `torchrun` (multi-node, or a cluster's launcher) `plait train` is one rank and
+  runs the loop directly; WORLD_SIZE must match the configuration.
+* One rank: the loop runs in this process (a gloo group of one), so a debugger just works.
+* Several ranks on this machine: `elastic_launch` starts them with the c10d rendezvous, no
+  restarts, and a 0.1 s monitor: when a rank fails, the agent stops the others at once and
+  the failing rank's own traceback (or the watchdog's report) is printed as the root cause.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from plait.errors import ConfigError
+from plait.testing import free_port
+from plait.train.config import Config
+from plait.train.peak import peak_flops_per_rank
+
+
+def _under_launcher() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def resolve_run_dir(cfg: Config) -> Config:
+    """Fix the run directory before the ranks start, so that all of them agree on it."""
+    if cfg.train.run_dir:
+        return cfg
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    train = dataclasses.replace(cfg.train, run_dir=str(Path("runs") / stamp))
+    return dataclasses.replace(cfg, train=train)
+
+
+def _threads_per_rank(world: int) -> int:
+    if "OMP_NUM_THREADS" in os.environ:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def _worker(cfg_dict: dict, resume: bool, peak: float | None) -> dict:
+    """Entry point of each spawned rank; exceptions are written to the torchelastic error file."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from plait.train.config import config_from_dict
+    from plait.train.loop import run
+
+    return record(run)(config_from_dict(cfg_dict), resume=resume, peak_flops=peak)
+
+
+def launch(cfg: Config, resume: bool = False) -> int:
+    """Run the configured job; returns the process exit code (0 on success)."""
+    world = cfg.world_size
+    if _under_launcher():
+        actual = int(os.environ["WORLD_SIZE"])
+        if actual != world:
+            raise ConfigError(
+                f"the launcher started {actual} ranks but the config needs {world} "
+                f"(pp x dp x ep x tp = {cfg.parallel.pp} x {cfg.parallel.dp} x {cfg.parallel.ep} x "
+                f"{cfg.parallel.tp}): change parallel.dp or the launcher's --nproc-per-node/--nnodes"
+            )
+        from plait.train.loop import run
+
+        run(cfg, resume=resume)
+        return 0
+
+    cfg = resolve_run_dir(cfg)
+    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+    if use_cuda and world > torch.cuda.device_count():
+        raise ConfigError(
+            f"{world} ranks need {world} GPUs on this machine, found {torch.cuda.device_count()}"
+        )
+    threads = _threads_per_rank(world)
+    peak = None
+    if not use_cuda:
+        peak = peak_flops_per_rank(torch.device("cpu"), cfg.train.bf16, threads, cfg.train.peak_tflops)
+
+    if world == 1:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+        )
+        from plait.train.loop import run
+
+        try:
+            run(cfg, resume=resume, peak_flops=peak)
+        finally:
+            for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+                os.environ.pop(k, None)
+        return 0
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    lc = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world,
+        run_id=f"plait-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    t0 = time.time()
+    try:
+        elastic_launch(lc, entrypoint=_worker)(cfg.to_dict(), resume, peak)
+    except ChildFailedError as exc:
+        sys.stderr.write(format_child_failure(exc, time.time() - t0))
+        return 1
+    return 0
+
+
+def format_child_failure(exc, elapsed: float) -> str:
+    """The first failing rank's own traceback, then one line for each other rank."""
+    root, failure = exc.get_first_failure()
+    lines = [
+        f"\nplait: rank {root} failed after {elapsed:.1f}s (exit code {failure.exitcode}); "
+        f"the job was stopped. Its error:\n"
+    ]
+    msg = failure.message
+    if isinstance(msg, dict):
+        lines.append(msg.get("extraInfo", {}).get("py_callstack") or msg.get("message", ""))
+    else:
+        lines.append(str(msg or "(no traceback: the process was killed or crashed)"))
+    for rank, other in sorted(exc.failures.items()):
+        if rank != root:
+            lines.append(f"\n  rank {rank}: exit code {other.exitcode}")
+    return "\n".join(lines) + "\n"

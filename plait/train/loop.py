@@ -1,0 +1,283 @@
+"""The training loop each rank runs: GPT on the corpus, data parallel, AdamW, warm-up + cosine.
+
+Loss normalisation (correct by construction): every rank backpropagates
+`sum of its token losses / tokens per rank per step`, over all its accumulation micro-batches,
+and DataParallel averages over dp, so the gradient is that of the mean loss over every token of
+the global batch, whatever the layout (dp, micro-batches). The logged loss is the same global
+mean, reduced in float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from plait import comm
+from plait.data import DistributedBatchSampler, eval_batches, load_corpus
+from plait.data_parallel import DataParallel
+from plait.errors import CheckpointError
+from plait.mesh import Mesh, init_distributed
+from plait.models import GPT, gpt_train_flops_per_token
+from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.train.config import Config, model_config
+from plait.train.metrics import MetricsWriter, peak_memory_bytes, plot_loss_curve, read_metrics
+from plait.train.peak import peak_flops_per_rank
+from plait.train.recompute import apply_activation_checkpointing
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to `min_ratio` at `total` (0-based step)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW with decay on matrices only; fused on the CPU and on CUDA."""
+    t = cfg.train
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches, mesh: Mesh, device: torch.device, bf16: bool) -> float:
+    """Mean held-out loss per token; each dp rank evaluates its rows of every batch."""
+    was_training = model.training
+    model.eval()
+    n, r = mesh.size("dp"), mesh.rank("dp")
+    total, count = 0.0, 0
+    for x, y in batches:
+        rows = x.shape[0] // n
+        xs, ys = x[r * rows : (r + 1) * rows].to(device), y[r * rows : (r + 1) * rows].to(device)
+        with _autocast(device, bf16):
+            total += float(model(xs, ys, reduction="sum"))
+        count += ys.numel()
+    model.train(was_training)
+    total = comm.all_reduce_scalar(total, mesh, ("dp",))
+    count = comm.all_reduce_scalar(count, mesh, ("dp",))
+    return total / count
+
+
+def _autocast(device: torch.device, bf16: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def _resolve_device(name: str) -> torch.device | None:
+    if name == "cpu":
+        return torch.device("cpu")
+    return None  # auto / cuda: plait.mesh picks CUDA with the local rank
+
+
+def _say(mesh: Mesh, text: str) -> None:
+    if mesh.is_rank0:
+        tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
+
+
+def run(cfg: Config, resume: bool = False, peak_flops: float | None = None) -> dict:
+    """Train on this rank (inside a launcher's environment); returns rank 0's summary."""
+    device = init_distributed(
+        _resolve_device(cfg.train.device), timeout_s=max(1800.0, 2 * cfg.comm.timeout_s)
+    )
+    p = cfg.parallel
+    mesh = Mesh(pp=p.pp, dp=p.dp, ep=p.ep, tp=p.tp, device=device, timeout_s=cfg.comm.timeout_s)
+    try:
+        return _train(cfg, mesh, resume, peak_flops)
+    finally:
+        mesh.close()
+        dist.destroy_process_group()
+
+
+def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> dict:
+    t, device = cfg.train, mesh.device
+    run_dir = Path(t.run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    if mesh.is_rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(cfg.to_toml())
+    comm.barrier(mesh)
+
+    mcfg = model_config(cfg)
+    corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)
+    dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
+    sampler = DistributedBatchSampler(
+        corpus.train, mcfg.seq_len, t.global_batch, dp_rank, dp, t.seed, micro_batches=t.micro_batches
+    )
+    val = eval_batches(corpus.val, mcfg.seq_len, t.global_batch, t.eval_batches)
+
+    torch.manual_seed(t.seed)  # identical initialisation on every rank (DataParallel broadcasts anyway)
+    raw = GPT(mcfg).to(device)
+    if t.activation_checkpointing:
+        apply_activation_checkpointing(raw)
+    model = DataParallel(raw, mesh, bucket_mb=cfg.parallel.bucket_mb)
+    optimizer = build_optimizer(raw, cfg, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr / t.lr)
+    )
+    torch.manual_seed(t.seed + 1 + mesh.global_rank)  # dropout streams differ per rank
+
+    start = 0
+    if resume:
+        path = latest_checkpoint(ckpt_root)
+        if path is None:
+            raise CheckpointError(f"--resume: {ckpt_root} holds no checkpoint to resume from")
+        start = load_checkpoint(path, mesh, raw, optimizer, scheduler, sampler)
+        _say(mesh, f"resumed from {path} at step {start}")
+        if mesh.is_rank0:
+            _truncate_metrics(run_dir, start)
+    comm.barrier(mesh)
+    metrics = MetricsWriter(run_dir, mesh.global_rank)
+
+    n_params = sum(q.numel() for q in raw.parameters())
+    tokens_per_step = t.global_batch * mcfg.seq_len
+    local_tokens = tokens_per_step // dp
+    flops_per_token = gpt_train_flops_per_token(mcfg, recompute=t.activation_checkpointing)
+    peak = peak_flops or peak_flops_per_rank(device, t.bf16, torch.get_num_threads(), t.peak_tflops)
+    last = min(t.steps, t.stop_at) if t.stop_at else t.steps
+    _say(
+        mesh,
+        f"plait: GPT {mcfg.n_layer}L {mcfg.n_head}H d={mcfg.d_model} seq={mcfg.seq_len} "
+        f"({n_params / 1e6:.2f}M params) | mesh {mesh.shape_str()} on {device} | "
+        f"global batch {t.global_batch} x {mcfg.seq_len} tokens | {len(model.buckets)} gradient "
+        f"bucket(s) | steps {start + 1}..{last} | run dir {run_dir}",
+    )
+
+    bar = tqdm(
+        total=t.steps,
+        initial=start,
+        disable=not (mesh.is_rank0 and t.progress),
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=1.0,
+        file=sys.stderr,
+    )
+    model.train()
+    window_t0, window_steps, loss, val_loss = time.perf_counter(), 0, float("nan"), None
+    for step in range(start + 1, last + 1):
+        mesh.ledger.set_step(step)
+        step_t0 = time.perf_counter()
+        micro = sampler.next_batch()
+        local_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for i, (x, y) in enumerate(micro):
+            sync = contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync()
+            with sync:
+                with _autocast(device, t.bf16):
+                    loss_sum = model(x.to(device), y.to(device), reduction="sum")
+                (loss_sum / local_tokens).backward()
+            local_sum += loss_sum.detach().double()
+        if t.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(raw.parameters(), t.grad_clip, foreach=True))
+        else:
+            grad_norm = float(
+                torch.nn.utils.get_total_norm([q.grad for q in raw.parameters() if q.grad is not None])
+            )
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        mesh.ledger.set_step(-1)  # the loss report is not part of the step's traffic
+        loss = comm.all_reduce_scalar(float(local_sum), mesh, ("dp",)) / tokens_per_step
+        step_time = time.perf_counter() - step_t0
+        window_steps += 1
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "step_time_s": step_time,
+            "local_loss": float(local_sum) / local_tokens,
+        }
+        if step % t.log_every == 0 or step == last:
+            elapsed = time.perf_counter() - window_t0
+            tok_s = window_steps * tokens_per_step / elapsed
+            mfu = tok_s * flops_per_token / (peak * mesh.world_size)
+            mem = peak_memory_bytes(device)
+            record.update(
+                tokens_per_s=tok_s,
+                mfu=mfu,
+                peak_mem_bytes=mem,
+                comm_bytes=mesh.ledger.total(step, "payload_bytes"),
+            )
+            _say(
+                mesh,
+                f"step {step:>5}/{t.steps} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:>8,.0f} tok/s | "
+                f"MFU {mfu:6.2%} | peak mem {mem / 2**20:,.0f} MiB",
+            )
+            window_t0, window_steps = time.perf_counter(), 0
+        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+            val_loss = evaluate(raw, val, mesh, device, t.bf16)
+            record["val_loss"] = val_loss
+            _say(
+                mesh,
+                f"step {step:>5}/{t.steps} | held-out loss {val_loss:.4f} ({val_loss / math.log(2):.3f} "
+                f"bits/byte)",
+            )
+        metrics.write(**record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == last:
+            save_checkpoint(
+                ckpt_root, step, mesh, raw, optimizer, scheduler, sampler, keep=t.keep_checkpoints
+            )
+    bar.close()
+    metrics.close()
+    return _finish(cfg, mesh, raw, corpus, run_dir, last, loss, val_loss, n_params)
+
+
+def _truncate_metrics(run_dir: Path, step: int) -> None:
+    """On resume, drop metric lines written after the checkpoint (they will be written again)."""
+    for path in run_dir.glob("metrics*.jsonl"):
+        kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def _finish(
+    cfg: Config,
+    mesh: Mesh,
+    raw: GPT,
+    corpus,
+    run_dir: Path,
+    step: int,
+    loss: float,
+    val_loss: float | None,
+    n_params: int,
+) -> dict:
+    summary = {
+        "step": step,
+        "loss": loss,
+        "val_loss": val_loss,
+        "params": n_params,
+        "unigram_entropy_bits": corpus.unigram_entropy_bits(),
+    }
+    if not mesh.is_rank0:
+        return summary
+    records = read_metrics(run_dir / "metrics.jsonl")
+    plot_loss_curve(records, run_dir / "loss.png", title=f"plait GPT, mesh {mesh.shape_str()}")
+    if val_loss is not None:
+        summary["val_bits_per_byte"] = val_loss / math.log(2)
+        _say(
+            mesh,
+            f"held-out loss {val_loss:.4f} nats/byte = {val_loss / math.log(2):.3f} bits/byte; "
+            f"unigram entropy of the corpus {summary['unigram_entropy_bits']:.3f} bits/byte",
+        )
+    if cfg.train.sample_tokens and step == cfg.train.steps:
+        prompt = corpus.encode("The ").unsqueeze(0).to(mesh.device)
+        gen = torch.Generator(device=mesh.device).manual_seed(cfg.train.seed)
+        out = raw.generate(prompt, cfg.train.sample_tokens, temperature=0.8, top_k=40, generator=gen)
+        summary["sample"] = corpus.decode(out[0].cpu())
+        _say(mesh, "sample:\n" + summary["sample"])
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    _say(mesh, f"run dir: {run_dir} (config.toml, metrics.jsonl, loss.png, checkpoints/)")
+    return summary
