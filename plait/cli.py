@@ -52,7 +52,8 @@ def _train(argv: list[str]) -> int:
         if not run_config.is_file():
             raise ConfigError(f"--resume {resume_dir}: no config.toml there; is it a plait run directory?")
         config_path = run_config
-        overrides = [*overrides, ("train.run_dir", str(resume_dir))]
+        # A resumed run goes to the end unless told otherwise: the interruption is not part of the config.
+        overrides = [("train.stop_at", "0"), *overrides, ("train.run_dir", str(resume_dir))]
     cfg = load_config(config_path, overrides)
     from plait.train.launch import launch
 

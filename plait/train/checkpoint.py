@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from plait import comm
@@ -88,17 +89,20 @@ def save_checkpoint(
     state = {
         "model": model_sd,
         "optim": optim_sd,
-        "extra": {
-            "step": step,
-            "scheduler": scheduler.state_dict(),
-            "sampler": sampler.state_dict(),
-            "world_size": mesh.world_size,
-        },
+        # One JSON string: DCP restores only the leaves the loader names, so keep this flat.
+        "extra": json.dumps(
+            {
+                "step": step,
+                "scheduler": scheduler.state_dict(),
+                "sampler": sampler.state_dict(),
+                "world_size": mesh.world_size,
+            }
+        ),
         f"rng_rank{mesh.global_rank}": _rng_state(),
     }
     try:
         dcp.save(state, checkpoint_id=str(tmp))
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP raises a BaseException subclass
         raise CheckpointError(
             f"saving checkpoint of step {step} to {tmp} failed: {exc}; the previous checkpoint is intact"
         ) from exc
@@ -170,16 +174,16 @@ def load_checkpoint(path: str | Path, mesh: Mesh, model, optimizer, scheduler, s
     manifest = verify_checkpoint(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     rng_key = f"rng_rank{mesh.global_rank}"
-    state = {"model": model_sd, "optim": optim_sd, "extra": {}}
+    state = {"model": model_sd, "optim": optim_sd, "extra": ""}
     same_world = manifest.get("world_size") == mesh.world_size
     if same_world:
         state[rng_key] = _rng_state()
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
         raise CheckpointError(f"loading {path} failed: {exc}") from exc
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra = state["extra"]
+    extra = json.loads(state["extra"])
     scheduler.load_state_dict(extra["scheduler"])
     sampler.load_state_dict(extra["sampler"])
     if same_world:

@@ -295,13 +295,20 @@ def validate(cfg: Config) -> None:
     )
     _require(0 <= cfg.model.dropout < 1, f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
     _require(cfg.comm.timeout_s > 0, f"comm.timeout_s must be positive, got {cfg.comm.timeout_s}")
-    m = model_config(cfg)
-    for name in ("n_layer", "n_head", "d_model", "seq_len"):
-        _require(getattr(m, name) >= 1, f"model.{name} must be >= 1, got {getattr(m, name)}")
+    from plait.models import gpt_config
+
+    base = gpt_config(cfg.model.name)  # an unknown name is an error listing the valid ones
+    sizes = {
+        k: getattr(cfg.model, k) if getattr(cfg.model, k) is not None else getattr(base, k)
+        for k in ("n_layer", "n_head", "d_model", "seq_len")
+    }
+    for name, value in sizes.items():
+        _require(value >= 1, f"model.{name} must be >= 1, got {value}")
     _require(
-        m.d_model % m.n_head == 0,
-        f"model.d_model = {m.d_model} is not divisible by model.n_head = {m.n_head}",
+        sizes["d_model"] % sizes["n_head"] == 0,
+        f"model.d_model = {sizes['d_model']} is not divisible by model.n_head = {sizes['n_head']}",
     )
+    m = model_config(cfg)
     _require(m.n_head % p.tp == 0, f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}")
     _require(m.n_layer % p.pp == 0, f"model.n_layer = {m.n_layer} is not divisible by parallel.pp = {p.pp}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 import sys
 import time
@@ -46,13 +47,11 @@ def _threads_per_rank(world: int) -> int:
 
 
 def _worker(cfg_dict: dict, resume: bool, peak: float | None) -> dict:
-    """Entry point of each spawned rank; exceptions are written to the torchelastic error file."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
+    """Entry point of each spawned rank (elastic_launch records its exception in the error file)."""
     from plait.train.config import config_from_dict
     from plait.train.loop import run
 
-    return record(run)(config_from_dict(cfg_dict), resume=resume, peak_flops=peak)
+    return run(config_from_dict(cfg_dict), resume=resume, peak_flops=peak)
 
 
 def launch(cfg: Config, resume: bool = False) -> int:
@@ -72,6 +71,15 @@ def launch(cfg: Config, resume: bool = False) -> int:
         return 0
 
     cfg = resolve_run_dir(cfg)
+    if resume:  # a missing or damaged checkpoint is reported here, before any rank starts
+        from plait.errors import CheckpointError
+        from plait.train.checkpoint import latest_checkpoint, verify_checkpoint
+
+        root = Path(cfg.train.run_dir) / "checkpoints"
+        found = latest_checkpoint(root)
+        if found is None:
+            raise CheckpointError(f"--resume: {root} holds no checkpoint to resume from")
+        verify_checkpoint(found)
     use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
@@ -117,6 +125,8 @@ def launch(cfg: Config, resume: bool = False) -> int:
         monitor_interval=0.1,
         start_method="spawn",
     )
+    # The agent logs every rank's traceback at ERROR level; plait prints the root cause once.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     t0 = time.time()
     try:
         elastic_launch(lc, entrypoint=_worker)(cfg.to_dict(), resume, peak)
@@ -126,16 +136,27 @@ def launch(cfg: Config, resume: bool = False) -> int:
     return 0
 
 
+_PLAIT_ERRORS = {"ConfigError", "TopologyError", "CommError", "CheckpointError", "DataParallelError"}
+
+
 def format_child_failure(exc, elapsed: float) -> str:
     """The first failing rank's own traceback, then one line for each other rank."""
-    root, failure = exc.get_first_failure()
+    # The root cause is the earliest failure that left a traceback; ranks stopped by the agent
+    # after it (or dying in a collective with it) come after.
+    reported = {r: f for r, f in exc.failures.items() if isinstance(f.message, dict)}
+    root = min(reported, key=lambda r: reported[r].timestamp) if reported else exc.get_first_failure()[0]
+    failure = exc.failures[root]
     lines = [
         f"\nplait: rank {root} failed after {elapsed:.1f}s (exit code {failure.exitcode}); "
         f"the job was stopped. Its error:\n"
     ]
     msg = failure.message
     if isinstance(msg, dict):
-        lines.append(msg.get("extraInfo", {}).get("py_callstack") or msg.get("message", ""))
+        text = msg.get("message", "")
+        if text.split(":", 1)[0] in _PLAIT_ERRORS:  # plait's own errors say what to change
+            lines.append(text)
+        else:
+            lines.append(msg.get("extraInfo", {}).get("py_callstack") or text)
     else:
         lines.append(str(msg or "(no traceback: the process was killed or crashed)"))
     for rank, other in sorted(exc.failures.items()):

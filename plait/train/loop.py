@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -165,8 +166,11 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     )
     model.train()
     window_t0, window_steps, loss, val_loss = time.perf_counter(), 0, float("nan"), None
+    fault = _injected_fault()
     for step in range(start + 1, last + 1):
         mesh.ledger.set_step(step)
+        if fault == (mesh.global_rank, step):
+            raise RuntimeError(f"injected fault on rank {mesh.global_rank} at step {step} (PLAIT_FAIL_AT)")
         step_t0 = time.perf_counter()
         micro = sampler.next_batch()
         local_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -234,6 +238,15 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     bar.close()
     metrics.close()
     return _finish(cfg, mesh, raw, corpus, run_dir, last, loss, val_loss, n_params)
+
+
+def _injected_fault() -> tuple[int, int] | None:
+    """PLAIT_FAIL_AT=RANK:STEP makes that rank raise at that step: a hook for failure tests."""
+    spec = os.environ.get("PLAIT_FAIL_AT")
+    if not spec:
+        return None
+    rank, _, step = spec.partition(":")
+    return int(rank), int(step)
 
 
 def _truncate_metrics(run_dir: Path, step: int) -> None:

@@ -1,0 +1,98 @@
+"""Configuration: strict loading, overrides, and one clear line for each bad config."""
+
+import pytest
+
+from plait.cli import main
+from plait.errors import ConfigError
+from plait.train.config import Config, config_from_dict, load_config, parse_overrides
+
+
+def _toml(tmp_path, text, name="c.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults_file_and_overrides(tmp_path):
+    path = _toml(tmp_path, "[train]\nsteps = 7\nlr = 1\n[parallel]\ndp = 4\n")
+    cfg = load_config(
+        path, parse_overrides(["--train.steps", "9", "--model.dropout=0.1", "--train.bf16", "true"])
+    )
+    assert cfg.train.steps == 9 and cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert (
+        cfg.parallel.dp == 4 and cfg.world_size == 4 and cfg.model.dropout == 0.1 and cfg.train.bf16 is True
+    )
+    assert config_from_dict(cfg.to_dict()) == cfg
+    assert load_config(_toml(tmp_path, cfg.to_toml(), "round.toml")) == cfg
+    assert Config().train.steps == 300
+
+
+def test_default_config_file_is_valid():
+    cfg = load_config("configs/default.toml")
+    assert cfg.world_size == 2 and cfg.parallel.dp == 2
+
+
+BAD = [
+    # (file text or None, CLI args, words the one-line message must contain)
+    ("[train]\nstep = 5\n", [], ["train.step", "did you mean 'train.steps'"]),
+    ("[trian]\nsteps = 5\n", [], ["[trian]", "did you mean 'train'"]),
+    ('[train]\nsteps = "ten"\n', [], ["train.steps", "expected int"]),
+    (None, ["--train.steps", "abc"], ["train.steps", "expected int"]),
+    ("[train]\nsteps = 1.5\n", [], ["train.steps", "expected int"]),
+    ("[train]\nsteps = -3\n", [], ["train.steps must be >= 1"]),
+    (None, ["--train.global_batch", "15"], ["global_batch = 15", "parallel.dp = 2", "multiple of 2"]),
+    (
+        None,
+        ["--train.global_batch", "16", "--train.micro_batches", "3"],
+        ["micro_batches = 3", "multiple of 6"],
+    ),
+    (None, ["--model.n_head", "3"], ["d_model = 128", "n_head = 3"]),
+    (None, ["--parallel.tp", "2"], ["parallel.tp", "not available yet"]),
+    (None, ["--parallel.dp", "0"], ["parallel.dp must be >= 1"]),
+    (None, ["--model.name", "gpt5"], ["gpt5", "tiny"]),
+    (None, ["--train.lr", "-1"], ["train.lr"]),
+    (None, ["--model.dropout", "1.5"], ["model.dropout"]),
+    (None, ["--data.held_out_fraction", "0.9"], ["data.held_out_fraction"]),
+    (None, ["--train.device", "tpu"], ["train.device", "auto, cpu or cuda"]),
+    ("[train\nsteps = 5\n", [], ["not valid TOML"]),
+    ("steps = 5\n", [], ["top-level key 'steps'"]),
+    (None, ["--train.steps"], ["--train.steps needs a value"]),
+    (None, ["--train.steps", "5", "extra"], ["unexpected argument 'extra'"]),
+]
+
+
+@pytest.mark.parametrize("text,args,words", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_config_gives_one_clear_line(tmp_path, capsys, text, args, words):
+    argv = ["train"] + ([_toml(tmp_path, text)] if text is not None else []) + args
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("plait: config error: ")
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_missing_file_and_bad_resume(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nope.toml")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "no config.toml" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="did you mean 'parallel.bucket_mb'"):
+        load_config(None, [("parallel.bucket", "2")])
+
+
+def test_help_lists_every_key_with_its_doc(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for key in (
+        "--train.steps",
+        "--train.log_every",
+        "--train.run_dir",
+        "--train.seed",
+        "--model.dropout",
+        "--parallel.dp",
+        "--parallel.tp",
+        "--parallel.pp",
+        "--parallel.ep",
+    ):
+        assert key in out, key
