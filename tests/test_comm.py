@@ -1,0 +1,140 @@
+"""Mesh geometry, every comm op with its ledger entry, and the watchdog."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait import comm
+from plait.comm import WATCHDOG_EXIT_CODE, Ledger, bus_bytes
+from plait.errors import TopologyError
+from plait.mesh import Mesh
+from plait.testing import RankFailure, run_ranks
+
+
+def test_bus_bytes_follow_the_ring_formulas():
+    assert bus_bytes("all_reduce", 1000, 4) == 2 * 3 / 4 * 1000
+    assert bus_bytes("all_gather", 1000, 4) == bus_bytes("reduce_scatter", 1000, 4) == 750
+    assert bus_bytes("all_to_all", 800, 2) == 400 and bus_bytes("broadcast", 10, 8) == 10
+    assert bus_bytes("all_reduce", 1000, 1) == 0
+    ledger = Ledger()
+    ledger.set_step(3)
+    ledger.record("all_reduce", "dp", 100, 2)
+    ledger.record("all_reduce", "dp", 50, 2, wire_bytes=5)
+    row = ledger.rows(3)[("all_reduce", "dp")]
+    assert (row.count, row.payload_bytes, row.bus_bytes, row.wire_bytes) == (2, 150, 150.0, 105)
+    assert ledger.rows(4) == {} and ledger.total(3) == 150 and "all_reduce" in ledger.table(3)
+
+
+def _mesh_and_ops():
+    rank = dist.get_rank()
+    for bad in (dict(dp=3), dict(dp=2, tp=3), dict(dp=0, tp=4)):
+        try:
+            Mesh(**bad)
+            raise AssertionError(f"Mesh({bad}) accepted")
+        except TopologyError as exc:
+            assert "4" in str(exc) or "positive" in str(exc)
+    m = Mesh(pp=2, tp=2, timeout_s=30)
+    assert m.coords == {"pp": rank // 2, "dp": 0, "ep": 0, "tp": rank % 2}
+    assert m.group("dp") is None and m.size("ep") == 1 and m.ranks("pp") == [rank % 2, rank % 2 + 2]
+    m.close()
+
+    mesh = Mesh(dp=2, tp=2, timeout_s=30)
+    assert mesh.coords == {"pp": 0, "dp": rank // 2, "ep": 0, "tp": rank % 2}
+    assert mesh.ranks("tp") == [rank - rank % 2, rank - rank % 2 + 1]
+    assert mesh.ranks("dp") == [rank % 2, rank % 2 + 2]
+    mesh.ledger.set_step(1)
+    t = torch.full((4,), float(rank + 1))
+    comm.all_reduce(t, mesh, "dp")
+    assert t.tolist() == [float(2 * (rank % 2) + 4)] * 4  # ranks r and r+2: (r+1) + (r+3)
+    out = torch.empty(8)
+    comm.all_gather(out, torch.full((4,), float(rank)), mesh, "tp")
+    assert out.tolist() == [float(mesh.ranks("tp")[0])] * 4 + [float(mesh.ranks("tp")[1])] * 4
+    rs = torch.empty(2)
+    comm.reduce_scatter(rs, torch.arange(4.0) * (rank + 1), mesh, "tp")
+    peers = sum(r + 1 for r in mesh.ranks("tp"))
+    i = mesh.rank("tp")
+    assert rs.tolist() == [2.0 * i * peers, (2.0 * i + 1) * peers]
+    a2a = torch.empty(4)
+    comm.all_to_all(a2a, torch.arange(4.0) + 10 * i, mesh, "tp")
+    assert a2a.tolist() == [2.0 * i, 2.0 * i + 1, 10 + 2.0 * i, 10 + 2.0 * i + 1]
+    b = torch.full((3,), float(rank))
+    comm.broadcast(b, mesh, "dp", src=1)
+    assert b.tolist() == [float(mesh.ranks("dp")[1])] * 3
+    buf = torch.empty(5)
+    peer = 1 - mesh.rank("tp")
+    if mesh.rank("tp") == 0:
+        comm.send(torch.arange(5.0) + rank, mesh, "tp", peer)
+        comm.recv(buf, mesh, "tp", peer)
+        assert buf.tolist() == (torch.arange(5.0) * 2 + rank + 1).tolist()
+    else:
+        comm.recv(buf, mesh, "tp", peer)
+        comm.send(buf * 2 - rank + 2, mesh, "tp", peer)  # = 2 * arange + the sender's rank + 1
+    h = comm.all_reduce(torch.ones(2), mesh, "tp", async_op=True)
+    assert h.wait().tolist() == [2.0, 2.0]
+    comm.barrier(mesh)
+    comm.all_reduce(torch.ones(3), mesh, "ep")  # size-1 axis: a free no-op, not recorded
+    rows = mesh.ledger.rows(1)
+    assert rows[("all_reduce", "dp")].payload_bytes == 16 and rows[("all_reduce", "dp")].bus_bytes == 16
+    assert rows[("all_gather", "tp")].payload_bytes == 32 and rows[("all_gather", "tp")].bus_bytes == 16
+    assert rows[("reduce_scatter", "tp")].payload_bytes == 16
+    assert rows[("all_to_all", "tp")].payload_bytes == 16 and rows[("broadcast", "dp")].payload_bytes == 12
+    assert rows[("send", "tp")].count == 1 and rows[("recv", "tp")].count == 1
+    assert rows[("all_reduce", "tp")].count == 1 and ("all_reduce", "ep") not in rows
+    assert all(e.completed for e in mesh.recorder.entries())
+    assert [e.seq for e in mesh.recorder.entries()] == list(range(1, len(mesh.recorder.entries()) + 1))
+    mesh.close()
+    return True
+
+
+def test_mesh_and_every_op_on_four_ranks():
+    assert all(run_ranks(_mesh_and_ops, 4, timeout=120))
+
+
+def test_mesh_needs_a_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(TopologyError, match="initialised process group"):
+        Mesh(dp=1)
+
+
+def _skip_a_collective():
+    mesh = Mesh(dp=2, timeout_s=3)
+    t = torch.ones(4)
+    comm.all_reduce(t, mesh, "dp")
+    if mesh.rank("dp") == 0:
+        comm.all_reduce(t, mesh, "dp")  # rank 1 never joins this one
+    comm.barrier(mesh)
+    mesh.close()
+
+
+def _raise_on_rank_one():
+    mesh = Mesh(dp=2, timeout_s=60)
+    if mesh.rank("dp") == 1:
+        raise ValueError("boom from rank 1")
+    comm.all_reduce(torch.ones(2), mesh, "dp")  # would wait for rank 1 for 60 s
+    mesh.close()
+
+
+def test_watchdog_names_the_rank_op_and_axis_and_every_rank_exits():
+    t0 = time.time()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_skip_a_collective, 2, timeout=60, grace=6)
+    elapsed = time.time() - t0
+    exc = info.value
+    assert all(code != 0 for code in exc.exitcodes.values()), exc.exitcodes
+    assert exc.exitcodes[0] == WATCHDOG_EXIT_CODE
+    report = exc.failures[0]
+    assert "plait watchdog: rank 0" in report and "#2 all_reduce on axis 'dp'" in report, report
+    assert "rank 1: last op" in report  # what the other rank last did
+    assert elapsed < 30, elapsed
+
+
+def test_a_raising_rank_fails_fast_with_its_own_traceback():
+    t0 = time.time()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_raise_on_rank_one, 2, timeout=60)
+    assert time.time() - t0 < 30
+    text = info.value.failures[1]
+    assert "ValueError: boom from rank 1" in text and "_raise_on_rank_one" in text, text
