@@ -24,6 +24,7 @@ from plait.comm.recorder import FlightRecorder, Watchdog
 from plait.errors import TopologyError
 
 AXES = ("pp", "dp", "ep", "tp")
+WORLD = "world"  # a pseudo-axis spanning every rank of the mesh
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -155,28 +156,30 @@ class Mesh:
         return [self._global_rank({**self.coords, axis: i}) for i in range(self.sizes[axis])]
 
     def _check_axis(self, axis: str) -> None:
-        if axis not in self.sizes:
-            raise TopologyError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)}")
+        if axis not in self.sizes and axis != WORLD:
+            raise TopologyError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)} (and {WORLD!r})")
 
     def size(self, axis: str) -> int:
-        """Number of ranks along `axis`."""
+        """Number of ranks along `axis` ("world": all of them)."""
         self._check_axis(axis)
-        return self.sizes[axis]
+        return self.world_size if axis == WORLD else self.sizes[axis]
 
     def rank(self, axis: str) -> int:
         """This rank's index along `axis` (its coordinate)."""
         self._check_axis(axis)
-        return self.coords[axis]
+        return self.global_rank if axis == WORLD else self.coords[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of this rank's line along `axis`; None when the axis has size 1."""
         self._check_axis(axis)
+        if axis == WORLD:
+            return dist.group.WORLD if self.world_size > 1 else None
         return self._groups[axis]
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's line along `axis`, in axis order."""
         self._check_axis(axis)
-        return list(self._axis_ranks[axis])
+        return list(range(self.world_size)) if axis == WORLD else list(self._axis_ranks[axis])
 
     def global_rank_of(self, axis: str, index: int) -> int:
         """Global rank of the peer at position `index` along `axis` (other coordinates as ours)."""

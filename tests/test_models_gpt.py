@@ -231,3 +231,20 @@ def test_mlp_shapes_layers_and_errors():
         MLP([3, 2], activation="swish2")
     with pytest.raises(ConfigError):
         MLP([3])
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    from plait.models import GPT, gpt_config
+    from plait.train import apply_activation_checkpointing
+
+    cfg = gpt_config("tiny")
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    torch.manual_seed(0)
+    recomputed = GPT(cfg)
+    assert apply_activation_checkpointing(recomputed) == cfg.n_layer
+    x = torch.randint(0, 256, (2, cfg.seq_len))
+    plain(x, x).backward()
+    recomputed(x, x).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name

@@ -75,10 +75,11 @@ def test_run_dir_contents(reference_run):
 
 
 def test_layout_independent_losses(reference_run, tmp_path):
-    """dp=1 and dp=2 see the same global batches: the same losses within 1e-5 relative."""
+    """dp=1 with 2 accumulation micro-batches and dp=2 see the same global batches: the same
+    losses within 1e-5 relative (the loss is normalised per token across ranks and micro-batches)."""
     run, _ = reference_run
     one = tmp_path / "dp1"
-    r = plait_train(*TINY, "--parallel.dp", "1", "--train.run_dir", str(one))
+    r = plait_train(*TINY, "--parallel.dp", "1", "--train.micro_batches", "2", "--train.run_dir", str(one))
     assert r.returncode == 0, r.stderr
     a, b = losses(one), losses(run)
     assert a.keys() == b.keys()
@@ -91,7 +92,29 @@ def test_layout_independent_losses(reference_run, tmp_path):
 def test_resume_is_bit_exact_and_damage_is_detected(reference_run, tmp_path):
     ref, _ = reference_run
     run = tmp_path / "run"
-    r = plait_train(*TINY, "--parallel.dp", "2", "--train.run_dir", str(run), "--train.stop_at", "4")
+    # the first half under an outer torchrun (plait train is then one rank), interrupted at step 4
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "plait.cli",
+            "train",
+            *TINY,
+            "--parallel.dp",
+            "2",
+            "--train.run_dir",
+            str(run),
+            "--train.stop_at",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr
     assert max(losses(run)) == 4
     damaged = tmp_path / "damaged"
@@ -127,3 +150,28 @@ def test_failing_rank_takes_the_job_down_with_its_traceback(tmp_path):
     assert "rank 1 failed" in r.stderr and "injected fault on rank 1 at step 3" in r.stderr, r.stderr
     assert "Traceback" in r.stderr and "loop.py" in r.stderr  # the rank's own traceback
     assert elapsed < 40, elapsed  # not the 60 s collective timeout, let alone a hang
+
+
+def test_bf16_recompute_and_accumulation_train(reference_run, tmp_path):
+    """bf16 autocast + activation checkpointing + accumulation: runs, and tracks the fp32 losses."""
+    ref, _ = reference_run
+    run = tmp_path / "run"
+    r = plait_train(
+        *TINY,
+        "--parallel.dp",
+        "2",
+        "--train.bf16",
+        "true",
+        "--train.activation_checkpointing",
+        "true",
+        "--train.micro_batches",
+        "2",
+        "--train.run_dir",
+        str(run),
+    )
+    assert r.returncode == 0, r.stderr
+    a, b = losses(run), losses(ref)
+    assert a.keys() == b.keys()
+    for step in a:
+        assert abs(a[step] - b[step]) < 0.03 * b[step], (step, a[step], b[step])
+    assert a != b  # bf16 really ran

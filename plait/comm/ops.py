@@ -61,8 +61,8 @@ def _issue(
     wire_bytes: int | None = None,
 ) -> Handle:
     """Launch `launch(group)` asynchronously, record it, and wait unless `async_op`."""
-    group = None if axis == "world" else mesh.group(axis)
-    n = mesh.world_size if axis == "world" else mesh.size(axis)
+    group = mesh.group(axis)
+    n = mesh.size(axis)
     entry = mesh.recorder.start(op, axis, payload, peer=peer)
     try:
         work = launch(group)
@@ -236,11 +236,7 @@ def recv(tensor: torch.Tensor, mesh: Mesh, axis: str, peer: int) -> torch.Tensor
 
 def barrier(mesh: Mesh, axis: str | None = None) -> None:
     """Wait until every rank of `axis` (default: every axis, the whole mesh) arrives."""
-    if axis is None:
-        if mesh.world_size == 1:
-            return
-        _issue(mesh, "barrier", "world", 0, lambda g: dist.barrier(async_op=True), False, None)
-        return
+    axis = axis or "world"
     if mesh.size(axis) > 1:
         _issue(mesh, "barrier", axis, 0, lambda g: dist.barrier(group=g, async_op=True), False, None)
 

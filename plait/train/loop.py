@@ -100,9 +100,18 @@ def run(cfg: Config, resume: bool = False, peak_flops: float | None = None) -> d
         dist.destroy_process_group()
 
 
+def _agreed_run_dir(cfg: Config, mesh: Mesh) -> Path:
+    """The configured run directory, or runs/<rank 0's start time> agreed by every rank."""
+    if cfg.train.run_dir:
+        return Path(cfg.train.run_dir)
+    stamp = torch.tensor([int(time.time())], dtype=torch.int64, device=mesh.device)
+    comm.broadcast(stamp, mesh, "world")
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.localtime(int(stamp)))
+
+
 def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> dict:
     t, device = cfg.train, mesh.device
-    run_dir = Path(t.run_dir)
+    run_dir = _agreed_run_dir(cfg, mesh)
     ckpt_root = run_dir / "checkpoints"
     if mesh.is_rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
