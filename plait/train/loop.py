@@ -286,7 +286,12 @@ def _finish(
     if not mesh.is_rank0:
         return summary
     records = read_metrics(run_dir / "metrics.jsonl")
-    plot_loss_curve(records, run_dir / "loss.png", title=f"plait GPT, mesh {mesh.shape_str()}")
+    plot_loss_curve(
+        records,
+        run_dir / "loss.png",
+        title=f"plait GPT, mesh {mesh.shape_str()}",
+        baseline=summary["unigram_entropy_bits"] * math.log(2),
+    )
     if val_loss is not None:
         summary["val_bits_per_byte"] = val_loss / math.log(2)
         _say(

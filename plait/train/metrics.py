@@ -41,8 +41,8 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
 
 
-def plot_loss_curve(records: list[dict], out: Path, title: str = "") -> Path:
-    """Training loss per step, and held-out loss where evaluated, to a PNG."""
+def plot_loss_curve(records: list[dict], out: Path, title: str = "", baseline: float | None = None) -> Path:
+    """Training loss per step, held-out loss where evaluated, and an optional baseline, to a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,6 +55,8 @@ def plot_loss_curve(records: list[dict], out: Path, title: str = "") -> Path:
         ax.plot(*zip(*train), label="train loss", lw=1.2)
     if held:
         ax.plot(*zip(*held), "o-", label="held-out loss", lw=1.5)
+    if baseline is not None:
+        ax.axhline(baseline, color="grey", ls="--", lw=1, label="unigram entropy of the corpus")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)
