@@ -9,7 +9,13 @@ from plait import comm
 from plait.data_parallel import DataParallel
 from plait.errors import DataParallelError
 from plait.mesh import Mesh
-from plait.testing import assert_close_losses, assert_close_params, run_ranks, state_of
+from plait.testing import (
+    assert_close_losses,
+    assert_close_params,
+    run_ranks,
+    single_process_reference,
+    state_of,
+)
 
 STEPS = 20
 GLOBAL_BATCH = 8
@@ -43,16 +49,11 @@ def _optimizer(model, kind):
 
 
 def _reference(kind: str):
-    model = _model()
-    opt = _optimizer(model, kind)
-    losses = []
-    for x, y in _batches():
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses, state_of(model)
+    def build():
+        model = _model()
+        return model, _optimizer(model, kind), lambda m, batch: nn.functional.mse_loss(m(batch[0]), batch[1])
+
+    return single_process_reference(build, _batches(), STEPS)
 
 
 def _train(model, opt, mesh, accum: int):
