@@ -99,13 +99,16 @@ def test_mesh_needs_a_process_group():
         Mesh(dp=1)
 
 
-def _skip_a_collective():
+def _skip_a_collective(then: str):
     mesh = Mesh(dp=2, timeout_s=3)
     t = torch.ones(4)
     comm.all_reduce(t, mesh, "dp")
     if mesh.rank("dp") == 0:
         comm.all_reduce(t, mesh, "dp")  # rank 1 never joins this one
-    comm.barrier(mesh)
+    elif then == "compute":
+        time.sleep(30)  # rank 1 is busy elsewhere (or lost): only rank 0 is stuck in a collective
+    if then == "barrier":
+        comm.barrier(mesh)  # both stuck, in different collectives
     mesh.close()
 
 
@@ -120,15 +123,24 @@ def _raise_on_rank_one():
 def test_watchdog_names_the_rank_op_and_axis_and_every_rank_exits():
     t0 = time.time()
     with pytest.raises(RankFailure) as info:
-        run_ranks(_skip_a_collective, 2, timeout=60, grace=6)
-    elapsed = time.time() - t0
+        run_ranks(_skip_a_collective, 2, args=("compute",), timeout=60, grace=3)
+    assert time.time() - t0 < 20
     exc = info.value
-    assert all(code != 0 for code in exc.exitcodes.values()), exc.exitcodes
-    assert exc.exitcodes[0] == WATCHDOG_EXIT_CODE
+    assert exc.exitcodes[0] == WATCHDOG_EXIT_CODE and exc.exitcodes[1] != 0, exc.exitcodes
     report = exc.failures[0]
     assert "plait watchdog: rank 0" in report and "#2 all_reduce on axis 'dp'" in report, report
-    assert "rank 1: last op" in report  # what the other rank last did
-    assert elapsed < 30, elapsed
+    assert "rank 1: last op #1 all_reduce axis=dp" in report and "completed" in report, report
+
+    # Both ranks stuck in different collectives: whichever watchdog fires first ends the job;
+    # the other rank then fails too (its collective breaks, or its own watchdog fires).
+    t0 = time.time()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_skip_a_collective, 2, args=("barrier",), timeout=60, grace=3)
+    assert time.time() - t0 < 20
+    exc = info.value
+    assert all(code != 0 for code in exc.exitcodes.values()), exc.exitcodes
+    reports = [text for text in exc.failures.values() if "plait watchdog: rank" in text]
+    assert reports and any("all_reduce" in r and "barrier" in r for r in reports), exc.failures
 
 
 def test_a_raising_rank_fails_fast_with_its_own_traceback():
