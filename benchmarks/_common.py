@@ -1,0 +1,141 @@
+"""Helpers shared by the benchmark scripts: step timing across ranks, data, machine facts, tables.
+
+The scripts in benchmarks/ run as `python benchmarks/<name>.py`, so this directory is on
+`sys.path` (also in the ranks that `plait.testing.run_ranks` spawns: spawn hands the parent's
+`sys.path` to its children) and they import this file as `_common`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def timed_step(step: Callable[..., T], *args) -> tuple[float, T]:
+    """(seconds this rank spends in `step(*args)`, its result), timed from a barrier of the default group.
+
+    The barrier lines the ranks up, so every rank's clock starts at (nearly) the same moment and
+    no skew left over from the previous step (one rank still in its optimizer while the other
+    already waits in the next all-reduce) is charged to this one. The barrier itself is not
+    timed. Combine the ranks' figures with `max_over_ranks`: a synchronous step ends when its
+    slowest rank does.
+    """
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    t0 = time.perf_counter()
+    result = step(*args)
+    return time.perf_counter() - t0, result
+
+
+def max_over_ranks(values: Sequence[float]) -> list[float]:
+    """Element-wise maximum of `values` over the ranks of the default group (identity on one rank)."""
+    t = torch.tensor(list(values), dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def mean_over_ranks(values: Sequence[float]) -> list[float]:
+    """Element-wise mean of `values` over the ranks of the default group."""
+    t = torch.tensor(list(values), dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t.tolist()
+
+
+def median_ms(seconds: Sequence[float]) -> float:
+    return 1e3 * statistics.median(seconds)
+
+
+def corpus_batches(
+    rows: int, seq_len: int, count: int, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` global batches of `rows` random windows of the embedded pydoc corpus.
+
+    Each is `(x, y)` of shape (rows, seq_len), y being x shifted by one byte. The same seed gives
+    the same batches in every process, so each rank can slice its rows out of the global batch.
+    """
+    from plait.data import load_corpus
+
+    tokens = load_corpus("pydoc").train.long()
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        starts = torch.randint(0, tokens.numel() - seq_len - 1, (rows,), generator=g)
+        windows = torch.stack([tokens[s : s + seq_len + 1] for s in starts.tolist()])
+        out.append((windows[:, :-1].contiguous(), windows[:, 1:].contiguous()))
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gib() -> str:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def machine_info() -> dict[str, str]:
+    """What a reader needs to judge the figures: date, CPUs, memory, load, versions."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+    return {
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "cpu": _cpu_model(),
+        "nproc": f"{usable} usable of {os.cpu_count()}",
+        "memory": _memory_gib(),
+        "load average at start (1, 5, 15 min)": load,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "os": platform.platform(),
+    }
+
+
+def command_line() -> str:
+    """The command as typed from the repository root, e.g. `.venv/bin/python benchmarks/ddp.py`."""
+    exe = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
+    return shlex.join([exe, *sys.argv])
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
