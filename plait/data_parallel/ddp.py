@@ -6,13 +6,13 @@ The design of PyTorch DDP's paper (VLDB 2020, §3.2-3.3):
   identical.
 * Gradients are grouped into buckets of about `bucket_mb` megabytes in *reverse* registration
   order, which is roughly the order backward produces them.
-* A hook on each parameter (fired after its gradient is accumulated) copies the gradient into
-  its bucket; when a bucket's last gradient arrives, the bucket's all-reduce is started
-  asynchronously, so communication of late layers overlaps the backward of early ones.
+* A hook on each parameter (fired after its gradient is accumulated) copies the gradient,
+  divided by the number of replicas, into its bucket; when a bucket's last gradient arrives,
+  the bucket's all-reduce is started asynchronously, so communication of late layers overlaps the backward of early ones.
   Buckets are launched strictly in index order: every rank must issue the collectives in the
   same order.
-* At the end of backward (an autograd engine callback) all buckets are waited for, averaged,
-  and the parameters' `.grad` become views of the reduced buckets.
+* At the end of backward (an autograd engine callback) all buckets are waited for (their sum
+  is the mean) and the parameters' `.grad` become views of the reduced buckets: no copy back.
 * `no_sync()` skips communication so gradients accumulate locally across micro-batches.
 
 A parameter that received no gradient in a synchronised backward is an error naming it (other
@@ -36,20 +36,10 @@ from plait.mesh import Mesh
 CommHook = Callable[[torch.Tensor, Mesh, str], "comm.Handle"]
 
 
-class _Mean:
-    """A handle that averages the all-reduced sum when waited for."""
-
-    def __init__(self, handle: comm.Handle, flat: torch.Tensor, n: int):
-        self.handle, self.flat, self.n = handle, flat, n
-
-    def wait(self) -> torch.Tensor:
-        self.handle.wait()
-        return self.flat.div_(self.n)
-
-
-def allreduce_mean_hook(flat: torch.Tensor, mesh: Mesh, axis: str):
-    """The default: an asynchronous all-reduce (sum) of the bucket, divided by the axis size on wait."""
-    return _Mean(comm.all_reduce(flat, mesh, axis, async_op=True), flat, mesh.size(axis))
+def allreduce_mean_hook(flat: torch.Tensor, mesh: Mesh, axis: str) -> comm.Handle:
+    """The default: an asynchronous all-reduce (sum) of the bucket. DataParallel has already
+    divided each gradient by the axis size while copying it in, so the sum is the mean."""
+    return comm.all_reduce(flat, mesh, axis, async_op=True)
 
 
 class _Bucket:
@@ -85,7 +75,8 @@ class DataParallel(nn.Module):
         bucket_mb: bucket capacity in MB (1e6 bytes); the paper's default is 25.
         allow_unused: tolerate parameters that get no gradient (they are reduced as zeros).
         comm_hook: `hook(flat_bucket, mesh, axis)` returning an object whose `wait()` gives the
-            averaged bucket; replaces the default all-reduce (see `allreduce_mean_hook`).
+            reduced bucket; replaces the default all-reduce (see `allreduce_mean_hook`). The
+            bucket holds gradients already divided by the axis size: the hook sums them.
     """
 
     def __init__(
@@ -105,6 +96,7 @@ class DataParallel(nn.Module):
         self.axis = axis
         self.allow_unused = allow_unused
         self.comm_hook = comm_hook or allreduce_mean_hook
+        self._scale = 1.0 / mesh.size(axis)
         self._sync = True
         self._queued = False
         self._next_launch = 0
@@ -171,8 +163,11 @@ class DataParallel(nn.Module):
                 "call backward once per forward (use no_sync() for accumulation)"
             )
         view = bucket.view(i)
-        if p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
+        # Divide while copying (one pass over the gradient): the all-reduced sum is then the mean.
+        if p.grad.data_ptr() == view.data_ptr():  # accumulated in place into last step's bucket view
+            view.mul_(self._scale)
+        else:
+            torch.mul(p.grad, self._scale, out=view)
         bucket.ready.add(i)
         self.last_hook_time = time.time()
         self._launch_ready()
