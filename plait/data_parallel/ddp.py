@@ -8,9 +8,9 @@ The design of PyTorch DDP's paper (VLDB 2020, §3.2-3.3):
   order, which is roughly the order backward produces them.
 * A hook on each parameter (fired after its gradient is accumulated) copies the gradient,
   divided by the number of replicas, into its bucket; when a bucket's last gradient arrives,
-  the bucket's all-reduce is started asynchronously, so communication of late layers overlaps the backward of early ones.
-  Buckets are launched strictly in index order: every rank must issue the collectives in the
-  same order.
+  the bucket's all-reduce is started asynchronously, so communication of late layers overlaps
+  the backward of early ones. Buckets are launched strictly in index order: every rank must
+  issue the collectives in the same order.
 * At the end of backward (an autograd engine callback) all buckets are waited for (their sum
   is the mean) and the parameters' `.grad` become views of the reduced buckets: no copy back.
 * `no_sync()` skips communication so gradients accumulate locally across micro-batches.
