@@ -8,8 +8,10 @@ moves under the ring algorithm (the figure nccl-tests reports and the papers' fo
     all_to_all                   (N-1)/N x payload      (one N-th of the payload stays local)
     broadcast, send, recv                  payload
 
-`wire_bytes` is what actually crossed the wire when a compressor shrank the payload; it equals
-the payload otherwise, so the ledger can show compressed and uncompressed volume side by side.
+Payload and bus bytes are what the collective actually carried. `logical_bytes` is the payload
+the same step would have needed uncompressed (a gradient compressor passes the fp32 size of the
+bucket it stands for); without compression it equals the payload, so the ledger shows the bytes
+actually sent next to their uncompressed equivalent.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class LedgerRow:
     count: int = 0
     payload_bytes: int = 0
     bus_bytes: float = 0.0
-    wire_bytes: int = 0
+    logical_bytes: int = 0
 
 
 class Ledger:
@@ -62,13 +64,15 @@ class Ledger:
     def set_step(self, step: int) -> None:
         self.step = int(step)
 
-    def record(self, op: str, axis: str, payload_bytes: int, n: int, wire_bytes: int | None = None) -> None:
+    def record(
+        self, op: str, axis: str, payload_bytes: int, n: int, logical_bytes: int | None = None
+    ) -> None:
         with self._lock:
             row = self._steps[self.step].setdefault((op, axis), LedgerRow())
             row.count += 1
             row.payload_bytes += int(payload_bytes)
             row.bus_bytes += bus_bytes(op, payload_bytes, n)
-            row.wire_bytes += int(payload_bytes if wire_bytes is None else wire_bytes)
+            row.logical_bytes += int(payload_bytes if logical_bytes is None else logical_bytes)
 
     def rows(self, step: int | None = None) -> dict[tuple[str, str], LedgerRow]:
         """{(op, axis): LedgerRow} for `step` (default: the current step)."""
@@ -91,10 +95,10 @@ class Ledger:
     def table(self, step: int | None = None) -> str:
         """A plain-text table of one step, for logs and docs."""
         rows = self.rows(step)
-        lines = [f"{'op':<16}{'axis':<6}{'count':>7}{'payload MB':>13}{'bus MB':>11}{'wire MB':>11}"]
+        lines = [f"{'op':<16}{'axis':<6}{'count':>7}{'payload MB':>13}{'bus MB':>11}{'uncompr. MB':>13}"]
         for (op, axis), r in sorted(rows.items()):
             lines.append(
                 f"{op:<16}{axis:<6}{r.count:>7}{r.payload_bytes / 1e6:>13.3f}"
-                f"{r.bus_bytes / 1e6:>11.3f}{r.wire_bytes / 1e6:>11.3f}"
+                f"{r.bus_bytes / 1e6:>11.3f}{r.logical_bytes / 1e6:>13.3f}"
             )
         return "\n".join(lines)

@@ -58,7 +58,7 @@ def _issue(
     async_op: bool,
     result,
     peer=None,
-    wire_bytes: int | None = None,
+    logical_bytes: int | None = None,
 ) -> Handle:
     """Launch `launch(group)` asynchronously, record it, and wait unless `async_op`."""
     group = mesh.group(axis)
@@ -70,7 +70,7 @@ def _issue(
         mesh.recorder.complete(entry)
         raise CommError(f"rank {mesh.global_rank}: {op} on axis '{axis}' failed to start: {exc}") from exc
     entry.work = work
-    mesh.ledger.record(op, axis, payload, n, wire_bytes=wire_bytes)
+    mesh.ledger.record(op, axis, payload, n, logical_bytes=logical_bytes)
     handle = Handle(work, entry, mesh, result)
     if not async_op:
         handle.wait()
@@ -90,7 +90,7 @@ def all_reduce(
     axis: str,
     op: str = "sum",
     async_op: bool = False,
-    wire_bytes: int | None = None,
+    logical_bytes: int | None = None,
 ):
     """In-place all-reduce of `tensor` over `axis`. Returns the tensor (or a Handle if async)."""
     if mesh.size(axis) == 1:
@@ -104,13 +104,22 @@ def all_reduce(
         lambda g: dist.all_reduce(tensor, op=rop, group=g, async_op=True),
         async_op,
         tensor,
-        wire_bytes=wire_bytes,
+        logical_bytes=logical_bytes,
     )
     return h if async_op else tensor
 
 
-def all_gather(output: torch.Tensor, tensor: torch.Tensor, mesh: Mesh, axis: str, async_op: bool = False):
-    """Gather `tensor` from every rank of `axis` into `output` (concatenated along dim 0)."""
+def all_gather(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    mesh: Mesh,
+    axis: str,
+    async_op: bool = False,
+    logical_bytes: int | None = None,
+):
+    """Gather `tensor` from every rank of `axis` into `output` (concatenated along dim 0).
+
+    `logical_bytes`: for the ledger, the uncompressed payload this gather stands for."""
     n = mesh.size(axis)
     if output.numel() != tensor.numel() * n:
         raise CommError(f"all_gather: output has {output.numel()} elements, expected {tensor.numel()} x {n}")
@@ -125,6 +134,7 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, mesh: Mesh, axis: str
         lambda g: dist.all_gather_single(output, tensor, group=g, async_op=True),
         async_op,
         output,
+        logical_bytes=logical_bytes,
     )
     return h if async_op else output
 

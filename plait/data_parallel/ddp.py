@@ -33,16 +33,18 @@ from plait import comm
 from plait.errors import DataParallelError
 from plait.mesh import Mesh
 
-CommHook = Callable[[torch.Tensor, Mesh, str], "comm.Handle"]
+CommHook = Callable[["GradBucket", Mesh, str], "comm.Handle"]
 
 
-def allreduce_mean_hook(flat: torch.Tensor, mesh: Mesh, axis: str) -> comm.Handle:
+def allreduce_mean_hook(bucket: GradBucket, mesh: Mesh, axis: str) -> comm.Handle:
     """The default: an asynchronous all-reduce (sum) of the bucket. DataParallel has already
     divided each gradient by the axis size while copying it in, so the sum is the mean."""
-    return comm.all_reduce(flat, mesh, axis, async_op=True)
+    return comm.all_reduce(bucket.buffer, mesh, axis, async_op=True)
 
 
-class _Bucket:
+class GradBucket:
+    """One bucket: its index (launch order), parameters, their names and offsets in `buffer`."""
+
     def __init__(self, index: int, params: list[nn.Parameter], names: list[str]):
         self.index = index
         self.params = params
@@ -74,9 +76,10 @@ class DataParallel(nn.Module):
         mesh: the plait Mesh; gradients are averaged over `axis` (default "dp").
         bucket_mb: bucket capacity in MB (1e6 bytes); the paper's default is 25.
         allow_unused: tolerate parameters that get no gradient (they are reduced as zeros).
-        comm_hook: `hook(flat_bucket, mesh, axis)` returning an object whose `wait()` gives the
-            reduced bucket; replaces the default all-reduce (see `allreduce_mean_hook`). The
-            bucket holds gradients already divided by the axis size: the hook sums them.
+        comm_hook: `hook(bucket, mesh, axis)` returning an object whose `wait()` gives the
+            reduced `bucket.buffer`; replaces the default all-reduce (see `allreduce_mean_hook`
+            and the compressors of `plait.comm.compress`). The buffer holds gradients already
+            divided by the axis size: the hook sums them.
     """
 
     def __init__(
@@ -104,7 +107,7 @@ class DataParallel(nn.Module):
         self.backward_end_time = 0.0
         self._broadcast_state()
         self.buckets = self._build_buckets(int(bucket_mb * 1e6))
-        self._where: dict[int, tuple[_Bucket, int]] = {}
+        self._where: dict[int, tuple[GradBucket, int]] = {}
         self._hooks = []
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -133,7 +136,7 @@ class DataParallel(nn.Module):
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def _build_buckets(self, capacity: int) -> list[_Bucket]:
+    def _build_buckets(self, capacity: int) -> list[GradBucket]:
         names = {id(p): n for n, p in self.module.named_parameters()}
         params = [p for p in self.module.parameters() if p.requires_grad]
         buckets, current, size = [], [], 0
@@ -146,7 +149,7 @@ class DataParallel(nn.Module):
             size += nbytes
         if current:
             buckets.append(current)
-        return [_Bucket(i, ps, [names[id(p)] for p in ps]) for i, ps in enumerate(buckets)]
+        return [GradBucket(i, ps, [names[id(p)] for p in ps]) for i, ps in enumerate(buckets)]
 
     # --- the backward path ----------------------------------------------------------------
 
@@ -177,7 +180,7 @@ class DataParallel(nn.Module):
             b = self.buckets[self._next_launch]
             if len(b.ready) < len(b.params):
                 return
-            b.handle = self.comm_hook(b.buffer, self.mesh, self.axis)
+            b.handle = self.comm_hook(b, self.mesh, self.axis)
             self._next_launch += 1
 
     def _finish_backward(self) -> None:

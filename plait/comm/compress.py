@@ -1,0 +1,260 @@
+"""Gradient compressors that replace DataParallel's bucket all-reduce.
+
+Each compressor is a DataParallel `comm_hook`: `compressor(bucket, mesh, axis)` starts the
+exchange of one gradient bucket and returns a handle whose `wait()` leaves the reduced gradient
+in `bucket.buffer`. The bucket already holds each gradient divided by the number of replicas,
+so summing the ranks' (decompressed) contributions gives the mean. Every rank decodes the same
+gathered bytes the same way, so the replicas stay identical.
+
+* `FP16Compressor`: all-reduce in half precision (2x fewer bytes).
+* `OneBitCompressor`: 1-bit SGD (Seide et al. 2014, "1-Bit Stochastic Gradient Descent and its
+  Application to Data-Parallel Distributed Training of Speech DNNs"). Each column of a
+  parameter's gradient (plus the carried error) is quantised at threshold 0 to one bit; the two
+  reconstruction values of a column are the mean of its non-negative and of its negative entries,
+  which minimise the squared error. The quantisation error is kept per parameter and added to the
+  next step's gradient (error feedback, the paper's key to convergence). Bits are packed 8 per
+  byte, so the wire carries 1/32 of fp32 plus two fp32 scales per column.
+* `TopKCompressor`: sparse communication (Aji & Heafield 2017, "Sparse Communication for
+  Distributed Gradient Descent"): only the ceil(r·n) entries of largest |gradient + residual|
+  are sent as (int32 index, fp32 value) pairs, gathered from every rank and summed; the rest stays
+  in the residual for later steps.
+
+Error feedback can be switched off (`error_feedback=False`) to show why it is needed. The ledger
+records the bytes actually sent next to the fp32 bytes the bucket stands for.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from plait import comm
+from plait.errors import ConfigError
+
+if TYPE_CHECKING:
+    from plait.data_parallel.ddp import GradBucket
+    from plait.mesh import Mesh
+
+COMPRESSIONS = ("none", "fp16", "onebit", "topk")
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+class _Then:
+    """A handle that runs `finish()` after the underlying operation completes."""
+
+    def __init__(self, handle, finish):
+        self.handle, self.finish = handle, finish
+
+    def wait(self) -> torch.Tensor:
+        self.handle.wait()
+        return self.finish()
+
+
+# --- bit packing and the column-mean quantiser (pure functions, tested directly) -------------
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Pack a flat bool tensor into uint8, 8 per byte (most significant bit first)."""
+    n = bits.numel()
+    padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8, device=bits.device)
+    padded[:n] = bits.to(torch.uint8)
+    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of `pack_bits`: the first `n` bits as a bool tensor."""
+    weights = _BIT_WEIGHTS.to(packed.device)
+    return ((packed.view(-1, 1) & weights) != 0).view(-1)[:n]
+
+
+def column_groups(shape: torch.Size, min_group: int) -> tuple[int, int, int]:
+    """(rows, cols, entries per quantisation group) of a parameter seen as a (rows, cols) matrix.
+
+    Dim 0 is the row, so an nn.Linear weight (out, in) has `in` columns of `out` entries; a 1-D
+    tensor is one column. Seide et al. quantise each column on its own. Their columns have
+    thousands of entries; in a small layer two fp32 scales per short column would cost more than
+    the bits save, so adjacent whole columns are grouped until a group has >= `min_group` entries
+    (`min_group=1` is the paper's rule exactly)."""
+    numel = math.prod(shape)
+    rows = shape[0] if len(shape) > 1 else numel
+    per = rows * max(1, math.ceil(min_group / max(rows, 1)))
+    return rows, numel // max(rows, 1), per
+
+
+def _column_major(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return t.view(rows, cols).t().reshape(-1)
+
+
+def _split_groups(cm: torch.Tensor, per: int) -> list[torch.Tensor]:
+    """The column-major vector as (per, G) full groups plus a (rest, 1) last group, as 2-D columns."""
+    full = (cm.numel() // per) * per
+    parts = []
+    if full:
+        parts.append(cm[:full].view(-1, per).t())
+    if cm.numel() > full:
+        parts.append(cm[full:].view(-1, 1))
+    return parts
+
+
+def onebit_quantize(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seide et al.'s quantiser for a (rows, cols) matrix: returns (bits, pos_means, neg_means),
+    bits = g >= 0, and per column the mean of the entries on each side of the threshold 0."""
+    bits = g >= 0
+    pos = bits.to(g.dtype)
+    n_pos = pos.sum(dim=0)
+    n_neg = g.shape[0] - n_pos
+    sum_pos = (g * pos).sum(dim=0)
+    sum_neg = g.sum(dim=0) - sum_pos
+    pos_mean = torch.where(n_pos > 0, sum_pos / n_pos.clamp_min(1), torch.zeros_like(sum_pos))
+    neg_mean = torch.where(n_neg > 0, sum_neg / n_neg.clamp_min(1), torch.zeros_like(sum_neg))
+    return bits, pos_mean, neg_mean
+
+
+def onebit_dequantize(bits: torch.Tensor, pos_mean: torch.Tensor, neg_mean: torch.Tensor) -> torch.Tensor:
+    return torch.where(bits, pos_mean, neg_mean)
+
+
+# --- compressors ------------------------------------------------------------------------------
+
+
+class FP16Compressor:
+    """All-reduce the bucket in float16 (or bfloat16): half the bytes, no state."""
+
+    def __init__(self, dtype: torch.dtype = torch.float16):
+        self.dtype = dtype
+
+    def __call__(self, bucket: GradBucket, mesh: Mesh, axis: str):
+        flat = bucket.buffer
+        half = flat.to(self.dtype)
+        handle = comm.all_reduce(half, mesh, axis, async_op=True, logical_bytes=flat.numel() * 4)
+        return _Then(handle, lambda: flat.copy_(half))
+
+
+class OneBitCompressor:
+    """1-bit quantisation with column-mean reconstruction and error feedback (Seide et al. 2014)."""
+
+    def __init__(self, error_feedback: bool = True, min_group: int = 2048):
+        self.error_feedback = error_feedback
+        self.min_group = min_group
+        self.residuals: dict[int, torch.Tensor] = {}
+
+    def _layout(self, bucket: GradBucket):
+        for off, p in zip(bucket.offsets, bucket.params):
+            yield off, p.numel(), column_groups(p.shape, self.min_group)
+
+    def encode(self, bucket: GradBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantise (gradient + residual); update the residual. Returns (all bits, all scales),
+        the bits of each parameter in column-major order."""
+        flat = bucket.buffer
+        residual = self.residuals.setdefault(bucket.index, torch.zeros_like(flat))
+        acc = flat + residual
+        bits, scales = [], []
+        for off, n, (rows, cols, per) in self._layout(bucket):
+            decoded = []
+            for g in _split_groups(_column_major(acc[off : off + n], rows, cols), per):
+                b, pm, nm = onebit_quantize(g)
+                bits.append(b.t().reshape(-1))
+                scales += [pm, nm]
+                decoded.append(onebit_dequantize(b, pm, nm).t().reshape(-1))
+            if self.error_feedback:
+                q = torch.cat(decoded).view(cols, rows).t()
+                residual[off : off + n] = (acc[off : off + n].view(rows, cols) - q).reshape(-1)
+        return torch.cat(bits), torch.cat(scales).to(torch.float32)
+
+    def decode_into(
+        self, out: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, bucket: GradBucket
+    ) -> None:
+        """Add one rank's decoded contribution to `out`."""
+        s = 0
+        for off, n, (rows, cols, per) in self._layout(bucket):
+            n_full = n // per  # groups of `per` entries, then one shorter group if any is left
+            b = bits[off : off + n]
+            values = []
+            if n_full:
+                pm, nm = scales[s : s + n_full, None], scales[s + n_full : s + 2 * n_full, None]
+                values.append(torch.where(b[: n_full * per].view(n_full, per), pm, nm).reshape(-1))
+                s += 2 * n_full
+            if n > n_full * per:
+                values.append(torch.where(b[n_full * per :], scales[s], scales[s + 1]))
+                s += 2
+            out[off : off + n] += torch.cat(values).view(cols, rows).t().reshape(-1)
+
+    def __call__(self, bucket: GradBucket, mesh: Mesh, axis: str):
+        flat = bucket.buffer
+        bits, scales = self.encode(bucket)
+        packed = pack_bits(bits)
+        # scales first and the message padded to 4 bytes, so each rank's scales stay float-aligned
+        pad = torch.zeros(-packed.numel() % 4, dtype=torch.uint8, device=flat.device)
+        message = torch.cat([scales.view(torch.uint8), packed, pad])
+        n_scale_bytes = scales.numel() * 4
+        n_ranks = mesh.size(axis)
+        gathered = torch.empty(n_ranks * message.numel(), dtype=torch.uint8, device=flat.device)
+        handle = comm.all_gather(gathered, message, mesh, axis, async_op=True, logical_bytes=flat.numel() * 4)
+
+        def finish() -> torch.Tensor:
+            flat.zero_()
+            for chunk in gathered.view(n_ranks, -1):
+                rank_scales = chunk[:n_scale_bytes].view(torch.float32)
+                rank_bits = unpack_bits(chunk[n_scale_bytes : n_scale_bytes + packed.numel()], flat.numel())
+                self.decode_into(flat, rank_bits, rank_scales, bucket)
+            return flat
+
+        return _Then(handle, finish)
+
+
+class TopKCompressor:
+    """Send only the ceil(ratio·n) largest |gradient + residual| entries (Aji & Heafield 2017)."""
+
+    def __init__(self, ratio: float = 0.01, error_feedback: bool = True):
+        if not 0 < ratio <= 1:
+            raise ConfigError(f"comm.topk_ratio must be in (0, 1], got {ratio}")
+        self.ratio = ratio
+        self.error_feedback = error_feedback
+        self.residuals: dict[int, torch.Tensor] = {}
+
+    def k(self, n: int) -> int:
+        return min(n, math.ceil(self.ratio * n))
+
+    def select(self, bucket: GradBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 indices, fp32 values) of the kept entries; the rest goes to the residual."""
+        flat = bucket.buffer
+        residual = self.residuals.setdefault(bucket.index, torch.zeros_like(flat))
+        acc = flat + residual
+        idx = torch.topk(acc.abs(), self.k(acc.numel()), sorted=False).indices
+        values = acc[idx]
+        if self.error_feedback:
+            acc[idx] = 0
+            residual.copy_(acc)
+        return idx.to(torch.int32), values.to(torch.float32)
+
+    def __call__(self, bucket: GradBucket, mesh: Mesh, axis: str):
+        flat = bucket.buffer
+        idx, values = self.select(bucket)
+        message = torch.cat([idx, values.view(torch.int32)])  # one gather: 4-byte index, 4-byte value
+        n_ranks = mesh.size(axis)
+        gathered = torch.empty(n_ranks * message.numel(), dtype=torch.int32, device=flat.device)
+        handle = comm.all_gather(gathered, message, mesh, axis, async_op=True, logical_bytes=flat.numel() * 4)
+        k = idx.numel()
+
+        def finish() -> torch.Tensor:
+            rows = gathered.view(n_ranks, 2 * k)
+            flat.zero_()
+            flat.index_add_(0, rows[:, :k].reshape(-1).long(), rows[:, k:].reshape(-1).view(torch.float32))
+            return flat
+
+        return _Then(handle, finish)
+
+
+def make_compressor(name: str, topk_ratio: float = 0.01, error_feedback: bool = True):
+    """The DataParallel comm_hook for a `[comm] compression` name (None for "none")."""
+    if name == "none":
+        return None
+    if name == "fp16":
+        return FP16Compressor()
+    if name == "onebit":
+        return OneBitCompressor(error_feedback=error_feedback)
+    if name == "topk":
+        return TopKCompressor(topk_ratio, error_feedback=error_feedback)
+    raise ConfigError(f"unknown compression {name!r}; valid: {', '.join(COMPRESSIONS)}")

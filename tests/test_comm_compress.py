@@ -1,0 +1,189 @@
+"""Gradient compressors: the quantiser's rule, packing, error feedback, top-k, and compressed DDP."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+from plait.comm.compress import (
+    FP16Compressor,
+    OneBitCompressor,
+    TopKCompressor,
+    column_groups,
+    make_compressor,
+    onebit_dequantize,
+    onebit_quantize,
+    pack_bits,
+    unpack_bits,
+)
+from plait.data_parallel import DataParallel
+from plait.errors import ConfigError
+from plait.mesh import Mesh
+from plait.testing import run_ranks
+
+
+class _Bucket:
+    """A stand-in for DataParallel's GradBucket over given parameter shapes."""
+
+    def __init__(self, shapes, values=None, index=0):
+        self.index = index
+        self.params = [torch.empty(s) for s in shapes]
+        self.offsets = [0]
+        for p in self.params[:-1]:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        n = sum(p.numel() for p in self.params)
+        self.buffer = torch.zeros(n) if values is None else values.clone()
+
+
+def test_onebit_reconstruction_is_the_column_means_rule():
+    g = torch.tensor([[1.0, -2.0, 0.5], [3.0, -4.0, -0.5], [-1.0, -6.0, 0.0]])
+    bits, pos, neg = onebit_quantize(g)
+    # column 0: non-negative {1, 3} -> 2, negative {-1} -> -1; column 1: none >= 0 -> 0, {-2,-4,-6} -> -4;
+    # column 2: {0.5, 0.0} -> 0.25, {-0.5} -> -0.5 (threshold 0: zero goes with the non-negative side)
+    assert pos.tolist() == [2.0, 0.0, 0.25] and neg.tolist() == [-1.0, -4.0, -0.5]
+    expected = torch.tensor([[2.0, -4.0, 0.25], [2.0, -4.0, -0.5], [-1.0, -4.0, 0.25]])
+    assert torch.equal(onebit_dequantize(bits, pos, neg), expected)
+    # these two values minimise the squared error among all two-level reconstructions of a column
+    col = g[:, 0]
+    best = ((col - expected[:, 0]) ** 2).sum()
+    for a in torch.linspace(-3, 4, 29):
+        for b in torch.linspace(-3, 4, 29):
+            assert ((col - torch.where(col >= 0, a, b)) ** 2).sum() >= best - 1e-6
+    # the compressor applies exactly this rule per column of a parameter (min_group=1: the paper),
+    # on the parameter's own layout inside a bucket, with a bias (one column) beside it
+    c = OneBitCompressor(min_group=1)
+    bucket = _Bucket([(3, 3), (2,)], torch.cat([g.reshape(-1), torch.tensor([0.5, -1.5])]))
+    bits, scales = c.encode(bucket)
+    out = torch.zeros(11)
+    c.decode_into(out, bits, scales, bucket)
+    assert torch.equal(out[:9].view(3, 3), expected) and out[9:].tolist() == [0.5, -1.5]
+    assert torch.equal(c.residuals[0], bucket.buffer - out)  # error feedback keeps the difference
+
+
+def test_small_columns_are_grouped_to_keep_the_scales_cheap():
+    assert column_groups(torch.Size([4096, 16]), 2048) == (4096, 16, 4096)  # long columns: per column
+    assert column_groups(torch.Size([128, 512]), 2048) == (128, 512, 2048)  # 16 columns per group
+    assert column_groups(torch.Size([100]), 2048) == (100, 1, 2100)  # a vector: one group
+    g = torch.randn(128, 40, generator=torch.Generator().manual_seed(3))
+    c = OneBitCompressor(min_group=2048)  # groups of 16 columns: 2 full groups and one of 8 columns
+    bucket = _Bucket([(128, 40)], g.reshape(-1))
+    bits, scales = c.encode(bucket)
+    assert scales.numel() == 2 * 3
+    out = torch.zeros(128 * 40)
+    c.decode_into(out, bits, scales, bucket)
+    for cols in (slice(0, 16), slice(16, 32), slice(32, 40)):
+        block = g[:, cols]
+        rec = out.view(128, 40)[:, cols]
+        assert torch.allclose(rec[block >= 0], block[block >= 0].mean().expand(int((block >= 0).sum())))
+        assert torch.allclose(rec[block < 0], block[block < 0].mean().expand(int((block < 0).sum())))
+
+
+def test_bits_pack_eight_per_byte():
+    bits = torch.rand(1001, generator=torch.Generator().manual_seed(0)) > 0.5
+    packed = pack_bits(bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(1001 / 8)
+    assert torch.equal(unpack_bits(packed, 1001), bits)
+    assert pack_bits(torch.tensor([True] + [False] * 7)).tolist() == [128]
+
+
+def test_onebit_message_is_a_32nd_of_fp32_plus_scales():
+    shapes = [(256, 64), (64,)]
+    b = _Bucket(shapes, torch.randn(256 * 64 + 64))
+    bits, scales = OneBitCompressor().encode(b)  # groups of 8 columns of 256, and the bias
+    n = b.buffer.numel()
+    message = pack_bits(bits).numel() + scales.numel() * 4
+    assert scales.numel() == 2 * (8 + 1)  # two values per group
+    assert message == math.ceil(n / 8) + 8 * 9
+    assert 4 * n / message > 30
+
+
+def test_error_feedback_keeps_the_running_sums_together():
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(32, 16), (16,)]
+    with_ef, without = OneBitCompressor(True), OneBitCompressor(False)
+    true_sum = torch.zeros(32 * 16 + 16)
+    sums = {id(with_ef): torch.zeros_like(true_sum), id(without): torch.zeros_like(true_sum)}
+    gaps = {id(with_ef): [], id(without): []}
+    for _ in range(200):
+        g = torch.randn(true_sum.numel(), generator=gen) * 0.1 + 0.05  # a persistent small bias
+        true_sum += g
+        for c in (with_ef, without):
+            b = _Bucket(shapes, g)
+            bits, scales = c.encode(b)
+            out = torch.zeros_like(g)
+            c.decode_into(out, bits, scales, b)
+            sums[id(c)] += out
+            gaps[id(c)].append(float((true_sum - sums[id(c)]).norm()))
+    # with error feedback the gap is exactly the residual, and stays bounded
+    assert torch.allclose(true_sum - sums[id(with_ef)], with_ef.residuals[0], atol=1e-4)
+    assert max(gaps[id(with_ef)][100:]) < 2 * max(gaps[id(with_ef)][:100]) + 1e-3
+    # without it the error accumulates
+    assert gaps[id(without)][-1] > 5 * gaps[id(with_ef)][-1]
+
+
+def test_topk_keeps_exactly_ceil_rn_and_the_rest_stays():
+    for n, r in [(1000, 0.01), (1001, 0.01), (37, 0.1), (5, 1.0)]:
+        g = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        c = TopKCompressor(r)
+        b = _Bucket([(n,)], g)
+        idx, values = c.select(b)
+        k = math.ceil(r * n)
+        assert idx.numel() == k == len(set(idx.tolist())) and idx.dtype == torch.int32
+        assert values.abs().min() >= g.abs().sort(descending=True).values[k - 1] - 1e-7
+        sent = torch.zeros(n).index_put_((idx.long(),), values)
+        assert torch.allclose(sent + c.residuals[0], g)  # nothing lost: sent + residual = gradient
+        assert (4 * n) / (8 * k) >= (40 if r == 0.01 and n >= 1000 else 0)
+
+
+def test_bad_compression_settings():
+    with pytest.raises(ConfigError, match="none, fp16, onebit, topk"):
+        make_compressor("twobit")
+    for r in (0.0, -0.1, 1.5):
+        with pytest.raises(ConfigError, match="topk_ratio"):
+            make_compressor("topk", topk_ratio=r)
+    assert make_compressor("none") is None and isinstance(make_compressor("fp16"), FP16Compressor)
+
+
+def _compressed_ddp():
+    n = dist.get_world_size()
+    mesh = Mesh(dp=n, timeout_s=60)
+    results = {}
+    for name in ("fp16", "onebit", "topk"):
+        mesh.ledger.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+        params = sum(p.numel() for p in model.parameters())
+        ddp = DataParallel(model, mesh, bucket_mb=0.004, comm_hook=make_compressor(name, topk_ratio=0.05))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(100 + dist.get_rank())  # different data on each rank
+        for step in range(5):
+            mesh.ledger.set_step(step)
+            x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            everyone = torch.empty(n * flat.numel())
+            mesh.ledger.set_step(-1)
+            comm.all_gather(everyone, flat, mesh, "dp")
+            rows = everyone.view(n, -1)
+            assert all(torch.equal(rows[0], rows[r]) for r in range(n)), f"{name}: replicas differ at {step}"
+        ledger = mesh.ledger.rows(4)
+        op = "all_reduce" if name == "fp16" else "all_gather"
+        row = ledger[(op, "dp")]
+        assert row.logical_bytes == 4 * params and row.count == len(ddp.buckets)
+        results[name] = row.bus_bytes / (2 * (n - 1) / n * 4 * params)  # vs an fp32 all-reduce
+        ddp.remove_hooks()
+    mesh.close()
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_compressed_ddp_keeps_replicas_identical(world):
+    ratios = run_ranks(_compressed_ddp, world, timeout=180)[0]
+    assert abs(ratios["fp16"] - 0.5) < 1e-9
+    assert ratios["onebit"] < 1 / 20 * world / 2 + 0.05  # 1/32 of fp32 plus scales, gathered
+    assert ratios["topk"] < 0.1 * world / 2 + 0.01  # 5% of entries, 8 bytes each, gathered
