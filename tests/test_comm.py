@@ -21,9 +21,9 @@ def test_bus_bytes_follow_the_ring_formulas():
     ledger = Ledger()
     ledger.set_step(3)
     ledger.record("all_reduce", "dp", 100, 2)
-    ledger.record("all_reduce", "dp", 50, 2, wire_bytes=5)
+    ledger.record("all_reduce", "dp", 50, 2, logical_bytes=200)
     row = ledger.rows(3)[("all_reduce", "dp")]
-    assert (row.count, row.payload_bytes, row.bus_bytes, row.wire_bytes) == (2, 150, 150.0, 105)
+    assert (row.count, row.payload_bytes, row.bus_bytes, row.logical_bytes) == (2, 150, 150.0, 300)
     assert ledger.rows(4) == {} and ledger.total(3) == 150 and "all_reduce" in ledger.table(3)
 
 
