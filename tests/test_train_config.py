@@ -58,6 +58,10 @@ BAD = [
     ("steps = 5\n", [], ["top-level key 'steps'"]),
     (None, ["--train.steps"], ["--train.steps needs a value"]),
     (None, ["--train.steps", "5", "extra"], ["unexpected argument 'extra'"]),
+    (None, ["--comm.compression", "twobit"], ["comm.compression", "none, fp16, onebit, topk"]),
+    (None, ["--comm.topk_ratio", "0"], ["comm.topk_ratio must be in (0, 1]"]),
+    (None, ["--comm.topk_ratio", "1.5"], ["comm.topk_ratio must be in (0, 1]"]),
+    (None, ["--optim.name", "adam"], ["optim.name", "adamw, lamb, lars, sgd"]),
 ]
 
 

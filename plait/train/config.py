@@ -104,6 +104,17 @@ class CommConfig:
     """Communication."""
 
     timeout_s: float = _f(300.0, "a collective pending longer than this is a hang: the job is stopped")
+    compression: str = _f("none", "gradient compression of the dp all-reduce: none, fp16, onebit, topk")
+    topk_ratio: float = _f(0.01, "fraction of gradient entries topk sends each step, in (0, 1]")
+    error_feedback: bool = _f(True, "carry the compression error into the next step (onebit, topk)")
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """The optimizer (learning rate, betas and weight decay are in [train])."""
+
+    name: str = _f("adamw", "adamw, lamb, lars or sgd")
+    momentum: float = _f(0.9, "momentum of sgd and lars")
 
 
 @dataclasses.dataclass
@@ -113,6 +124,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
 
     @property
     def world_size(self) -> int:
@@ -140,6 +152,7 @@ _SECTION_TYPES = {
     "train": TrainConfig,
     "parallel": ParallelConfig,
     "comm": CommConfig,
+    "optim": OptimConfig,
 }
 
 
@@ -295,6 +308,19 @@ def validate(cfg: Config) -> None:
     )
     _require(0 <= cfg.model.dropout < 1, f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
     _require(cfg.comm.timeout_s > 0, f"comm.timeout_s must be positive, got {cfg.comm.timeout_s}")
+    from plait.comm.compress import COMPRESSIONS
+    from plait.optim import OPTIMIZER_NAMES
+
+    _require(
+        cfg.comm.compression in COMPRESSIONS,
+        f"comm.compression = {cfg.comm.compression!r} is unknown; valid: {', '.join(COMPRESSIONS)}",
+    )
+    _require(0 < cfg.comm.topk_ratio <= 1, f"comm.topk_ratio must be in (0, 1], got {cfg.comm.topk_ratio}")
+    _require(
+        cfg.optim.name in OPTIMIZER_NAMES,
+        f"optim.name = {cfg.optim.name!r} is unknown; valid: {', '.join(OPTIMIZER_NAMES)}",
+    )
+    _require(0 <= cfg.optim.momentum < 1, f"optim.momentum must be in [0, 1), got {cfg.optim.momentum}")
     from plait.models import gpt_config
 
     base = gpt_config(cfg.model.name)  # an unknown name is an error listing the valid ones

@@ -22,11 +22,14 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from plait import comm
+from plait.comm.compress import make_compressor
 from plait.data import DistributedBatchSampler, eval_batches, load_corpus
 from plait.data_parallel import DataParallel
 from plait.errors import CheckpointError
 from plait.mesh import Mesh, init_distributed
 from plait.models import GPT, gpt_train_flops_per_token
+from plait.optim import build_optimizer as make_optimizer
+from plait.optim import param_groups
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.train.config import Config, model_config
 from plait.train.metrics import MetricsWriter, peak_memory_bytes, plot_loss_curve, read_metrics
@@ -42,13 +45,16 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW with decay on matrices only; fused on the CPU and on CUDA."""
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """The configured optimizer; weight decay (and LAMB/LARS's trust ratio) on matrices only."""
     t = cfg.train
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
+    return make_optimizer(
+        cfg.optim.name,
+        param_groups(model, t.weight_decay),
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        momentum=cfg.optim.momentum,
+    )
 
 
 @torch.no_grad()
@@ -130,8 +136,10 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     raw = GPT(mcfg).to(device)
     if t.activation_checkpointing:
         apply_activation_checkpointing(raw)
-    model = DataParallel(raw, mesh, bucket_mb=cfg.parallel.bucket_mb)
-    optimizer = build_optimizer(raw, cfg, device)
+    c = cfg.comm
+    compressor = make_compressor(c.compression, topk_ratio=c.topk_ratio, error_feedback=c.error_feedback)
+    model = DataParallel(raw, mesh, bucket_mb=cfg.parallel.bucket_mb, comm_hook=compressor)
+    optimizer = build_optimizer(raw, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr / t.lr)
     )
@@ -221,7 +229,8 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
                 tokens_per_s=tok_s,
                 mfu=mfu,
                 peak_mem_bytes=mem,
-                comm_bytes=mesh.ledger.total(step, "payload_bytes"),
+                comm_bytes=mesh.ledger.total(step, "bus_bytes"),
+                comm_uncompressed_bytes=mesh.ledger.total(step, "logical_bytes"),
             )
             _say(
                 mesh,
