@@ -52,6 +52,17 @@ def _train(argv: list[str]) -> int:
         if not run_config.is_file():
             raise ConfigError(f"--resume {resume_dir}: no config.toml there; is it a plait run directory?")
         config_path = run_config
+        changed = [
+            k
+            for k, _ in overrides
+            if k.split(".")[0] in ("model", "data", "parallel")
+            or k in ("train.global_batch", "train.micro_batches", "train.seed")
+        ]
+        if changed:
+            raise ConfigError(
+                f"--resume continues the run as configured; {', '.join(changed)} cannot change on resume "
+                "(the checkpoint holds that model and data layout): start a new run instead"
+            )
         # A resumed run goes to the end unless told otherwise: the interruption is not part of the config.
         overrides = [("train.stop_at", "0"), *overrides, ("train.run_dir", str(resume_dir))]
     cfg = load_config(config_path, overrides)

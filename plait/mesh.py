@@ -199,10 +199,10 @@ class Mesh:
 
     # --- lifetime ---------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Stop the watchdog. Call before destroying the process group."""
+    def close(self, reason: str = "exited normally") -> None:
+        """Stop the watchdog (telling the other ranks `reason`). Call before destroying the group."""
         if self.watchdog is not None:
-            self.watchdog.stop()
+            self.watchdog.stop(reason)
             self.watchdog = None
 
     def __enter__(self) -> Mesh:

@@ -179,7 +179,7 @@ def compare_tensors(
             )
             continue
         d = (a - e).abs()
-        if (d > atol + rtol * e.abs()).any():
+        if not bool((d <= atol + rtol * e.abs()).all()):  # written so that NaN fails
             out.append(Mismatch(name, float(d.max()), float((d / e.abs().clamp_min(1e-12)).max())))
     return out
 
@@ -199,7 +199,7 @@ def assert_close_losses(
     if len(actual) != len(expected):
         raise AssertionError(f"{what} {len(actual)} losses vs {len(expected)} expected")
     for i, (a, e) in enumerate(zip(actual, expected)):
-        if abs(a - e) > atol + rtol * abs(e):
+        if not abs(a - e) <= atol + rtol * abs(e):  # written so that NaN fails
             raise AssertionError(
                 f"{what} loss at step {i}: {a!r} vs reference {e!r} (|diff| {abs(a - e):.3e})"
             )

@@ -147,6 +147,25 @@ def _torch_ddp_and_overlap():
             ours.last_hook_time,
         )
 
+    # A backward that raises part-way leaves no stale state: the next step is normal.
+    def boom(grad):
+        raise RuntimeError("injected backward failure")
+
+    def arm(module, inputs, output):
+        output.register_hook(boom)  # fires after the last layers' gradients have been bucketed
+
+    h = ours.module[4].register_forward_hook(arm)
+    try:
+        nn.functional.mse_loss(ours(x), y).backward()
+        raise AssertionError("the injected failure did not raise")
+    except RuntimeError as exc:
+        assert "injected backward failure" in str(exc)
+    h.remove()
+    nn.functional.mse_loss(ours(x), y).backward()  # no "received its gradient twice"
+    g = ours.module[6].weight.grad.clone()
+    comm.all_reduce(g, mesh, "dp")
+    assert torch.allclose(g / 2, ours.module[6].weight.grad)
+
     # Unused parameter: a clear error naming it; tolerated with allow_unused.
     class Two(nn.Module):
         def __init__(self):

@@ -62,6 +62,14 @@ BAD = [
     (None, ["--comm.topk_ratio", "0"], ["comm.topk_ratio must be in (0, 1]"]),
     (None, ["--comm.topk_ratio", "1.5"], ["comm.topk_ratio must be in (0, 1]"]),
     (None, ["--optim.name", "adam"], ["optim.name", "adamw, lamb, lars, sgd"]),
+    (None, ["--parallel.bucket_mb", "inf"], ["parallel.bucket_mb", "expected float"]),
+    ("[comm]\ntimeout_s = inf\n", [], ["comm.timeout_s", "finite"]),
+    (None, ["--data.corpus", "file:/nonexistent/x.txt"], ["/nonexistent/x.txt"]),
+    (
+        None,
+        ["--model.name", "tiny", "--train.global_batch", "1024"],
+        ["held-out", "train.global_batch = 1024"],
+    ),
 ]
 
 

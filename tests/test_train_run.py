@@ -81,16 +81,23 @@ def test_layout_independent_losses(reference_run, tmp_path):
     one = tmp_path / "dp1"
     r = plait_train(*TINY, "--parallel.dp", "1", "--train.micro_batches", "2", "--train.run_dir", str(one))
     assert r.returncode == 0, r.stderr
-    a, b = losses(one), losses(run)
-    assert a.keys() == b.keys()
-    for step in a:
-        assert abs(a[step] - b[step]) <= 1e-5 * abs(b[step]), (step, a[step], b[step])
-    # and the two runs are not trivially equal: the loss moved
-    assert a[8] < a[1] - 0.05
+    plain = tmp_path / "dp1-plain"
+    r = plait_train(*TINY, "--parallel.dp", "1", "--train.run_dir", str(plain))
+    assert r.returncode == 0, r.stderr
+    b = losses(run)
+    for a in (losses(one), losses(plain)):
+        assert a.keys() == b.keys()
+        for step in a:
+            assert abs(a[step] - b[step]) <= 1e-5 * abs(b[step]), (step, a[step], b[step])
+    # and the runs are not trivially equal: the loss moved
+    assert b[8] < b[1] - 0.05
 
 
-def test_resume_is_bit_exact_and_damage_is_detected(reference_run, tmp_path):
-    ref, _ = reference_run
+def test_resume_is_bit_exact_and_damage_is_detected(tmp_path):
+    """With dropout on, so the restored RNG states matter too."""
+    ref = tmp_path / "ref"
+    r = plait_train(*TINY, "--parallel.dp", "2", "--model.dropout", "0.1", "--train.run_dir", str(ref))
+    assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
     # the first half under an outer torchrun (plait train is then one rank), interrupted at step 4
     r = subprocess.run(
@@ -106,6 +113,8 @@ def test_resume_is_bit_exact_and_damage_is_detected(reference_run, tmp_path):
             *TINY,
             "--parallel.dp",
             "2",
+            "--model.dropout",
+            "0.1",
             "--train.run_dir",
             str(run),
             "--train.stop_at",
@@ -119,10 +128,14 @@ def test_resume_is_bit_exact_and_damage_is_detected(reference_run, tmp_path):
     assert max(losses(run)) == 4
     damaged = tmp_path / "damaged"
     shutil.copytree(run, damaged)
+    r = plait_train("--resume", str(run), "--model.n_layer", "3")
+    assert r.returncode == 2 and "model.n_layer cannot change on resume" in r.stderr, r.stderr
     r = plait_train("--resume", str(run))
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout
     assert losses(run) == losses(ref)  # bit for bit, every step
+    r = plait_train(*TINY, "--train.run_dir", str(run))  # a new run never overwrites an old one
+    assert r.returncode == 2 and "already holds a run" in r.stderr, r.stderr
 
     ckpt = damaged / "checkpoints" / "step_00000004"
     shard = sorted(ckpt.glob("*.distcp"))[0]
@@ -138,6 +151,25 @@ def test_resume_is_bit_exact_and_damage_is_detected(reference_run, tmp_path):
     (ckpt / "MANIFEST.json").unlink()
     r = plait_train("--resume", str(damaged))
     assert r.returncode == 1 and "did not complete" in r.stderr, r.stderr
+
+
+def test_a_stuck_rank_is_reported_by_the_watchdog_and_the_job_ends(tmp_path):
+    t0 = time.time()
+    r = plait_train(
+        *TINY,
+        "--parallel.dp",
+        "2",
+        "--comm.timeout_s",
+        "4",
+        "--train.run_dir",
+        str(tmp_path / "run"),
+        env={"PLAIT_FAIL_AT": "1:3:hang"},
+    )
+    elapsed = time.time() - t0
+    assert r.returncode == 1, r.stderr
+    assert "plait watchdog: rank 0" in r.stderr and "all_reduce on axis 'dp'" in r.stderr, r.stderr
+    assert "rank 1: last op" in r.stderr  # what the stuck rank last did
+    assert elapsed < 40, elapsed  # timeout 4 s + start-up, not a hang
 
 
 def test_failing_rank_takes_the_job_down_with_its_traceback(tmp_path):

@@ -56,13 +56,18 @@ class Ledger:
     belongs to step n. Thread-safe: autograd hooks may record from another thread.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep_steps: int = 1000) -> None:
         self.step = 0
+        self.keep_steps = keep_steps
         self._lock = threading.Lock()
         self._steps: dict[int, dict[tuple[str, str], LedgerRow]] = defaultdict(dict)
 
     def set_step(self, step: int) -> None:
+        """Start recording under `step`; steps older than the last `keep_steps` are dropped."""
         self.step = int(step)
+        with self._lock:
+            while len(self._steps) > self.keep_steps:
+                self._steps.pop(min(self._steps))
 
     def record(
         self, op: str, axis: str, payload_bytes: int, n: int, logical_bytes: int | None = None

@@ -37,7 +37,10 @@ class Handle:
     def wait(self):
         if not self.done:
             self._work.wait()
-            self._mesh.recorder.complete(self._entry)
+            # On CUDA, wait() only orders the current stream after the collective and returns at
+            # once; the watchdog marks the entry complete when the work really finishes.
+            if self._mesh.device.type != "cuda" or self._mesh.watchdog is None:
+                self._mesh.recorder.complete(self._entry)
             self.done = True
         return self.result
 

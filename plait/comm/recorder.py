@@ -55,9 +55,10 @@ class OpEntry:
     axis: str
     nbytes: int
     peer: int | None
-    t_start: float
+    t_start: float  # wall clock, comparable with other timestamps of the run
     t_end: float | None = None
     work: object = dataclasses.field(default=None, repr=False)
+    t_mono: float = dataclasses.field(default_factory=time.monotonic)  # for ages: immune to clock jumps
 
     @property
     def completed(self) -> bool:
@@ -68,7 +69,7 @@ class OpEntry:
         if self.completed:
             state = f"completed in {self.t_end - self.t_start:.3f}s"
         else:
-            state = f"pending for {(now or time.time()) - self.t_start:.1f}s"
+            state = f"pending for {time.monotonic() - self.t_mono:.1f}s"
         return f"#{self.seq} {self.op} axis={self.axis}{peer} bytes={self.nbytes} {state}"
 
 
@@ -110,8 +111,7 @@ class FlightRecorder:
             return self._entries[-1] if self._entries else None
 
     def dump(self, n: int = 8) -> str:
-        now = time.time()
-        return "\n".join("    " + e.describe(now) for e in self.entries()[-n:])
+        return "\n".join("    " + e.describe() for e in self.entries()[-n:])
 
 
 def _default_store():
@@ -135,20 +135,20 @@ class Watchdog(threading.Thread):
         self._stop_event = threading.Event()
         self._published: tuple | None = None
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "exited normally") -> None:
         self._stop_event.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=2 * self.poll_s + 1)
-        self._publish(final="exited normally")
+        self._publish(final=reason)
 
     def run(self) -> None:
         while not self._stop_event.wait(self.poll_s):
-            now = time.time()
+            now = time.monotonic()
             for entry in self.recorder.pending():
                 work = entry.work
                 if work is not None and _is_completed(work):
                     self.recorder.complete(entry)
-                elif now - entry.t_start > self.timeout_s:
+                elif now - entry.t_mono > self.timeout_s:
                     self._fire(entry)
                     return
             self._publish()
@@ -187,18 +187,29 @@ class Watchdog(threading.Thread):
         return lines
 
     def _fire(self, entry: OpEntry) -> None:
-        self._publish()
         report = (
-            f"plait watchdog: rank {self.rank} waited {time.time() - entry.t_start:.1f}s "
+            f"plait watchdog: rank {self.rank} waited {time.monotonic() - entry.t_mono:.1f}s "
             f"(timeout {self.timeout_s:g}s) for collective #{entry.seq} {entry.op} on axis "
             f"'{entry.axis}' ({entry.nbytes} bytes); it did not complete.\n"
-            f"  A rank probably skipped or reordered a collective, or died.\n"
-            f"  rank {self.rank}, last ops:\n{self.recorder.dump()}\n"
-            f"  other ranks:\n" + "\n".join(self._others())
+            f"  A rank probably skipped or reordered a collective, is stuck, or died.\n"
+            f"  rank {self.rank}, last ops:\n{self.recorder.dump()}"
         )
+        # This rank's own report goes out first: the store below may hang with a dead host.
         sys.stderr.write(report + "\n")
         sys.stderr.flush()
         write_error_file(report, callstack=report + "\n\nmain thread:\n" + _main_thread_stack())
+        others: list[str] = []
+        reader = threading.Thread(
+            target=lambda: (self._publish(), others.extend(self._others())), daemon=True
+        )
+        reader.start()
+        reader.join(timeout=5.0)
+        if others:
+            tail = "  other ranks:\n" + "\n".join(others)
+            sys.stderr.write(tail + "\n")
+            sys.stderr.flush()
+            report = f"{report}\n{tail}"
+            write_error_file(report, callstack=report + "\n\nmain thread:\n" + _main_thread_stack())
         os._exit(WATCHDOG_EXIT_CODE)
 
 

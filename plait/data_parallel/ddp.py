@@ -219,6 +219,11 @@ class DataParallel(nn.Module):
     # --- public ---------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        if self._queued and torch.is_grad_enabled():
+            # The previous backward raised part-way (its end-of-backward callback never ran):
+            # start clean rather than report its gradients as arriving twice.
+            self._queued = False
+            self._reset()
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

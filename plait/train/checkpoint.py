@@ -123,9 +123,13 @@ def save_checkpoint(
 
 
 def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    """Keep the newest `keep` checkpoints (by save time); never the one `latest` names."""
+    latest = (root / LATEST).read_text().strip() if (root / LATEST).exists() else None
+    done = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")]
+    done.sort(key=lambda p: (p / MANIFEST).stat().st_mtime if (p / MANIFEST).exists() else 0.0)
     for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name != latest:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

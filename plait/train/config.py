@@ -189,6 +189,11 @@ def _coerce(where: str, value, t: type, optional: bool, from_cli: bool):
                 if not f.is_integer():
                     raise ValueError
                 return int(f)
+            if t is float:
+                f = float(value)
+                if not math.isfinite(f):
+                    raise ValueError
+                return f
             return t(value)
         except ValueError:
             raise ConfigError(f"{where}: expected {t.__name__}, got {value!r}") from None
@@ -196,6 +201,8 @@ def _coerce(where: str, value, t: type, optional: bool, from_cli: bool):
         return None
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if t is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
     if not isinstance(value, t) or (t is int and isinstance(value, bool)):
         raise ConfigError(f"{where}: expected {t.__name__}, got {type(value).__name__} {value!r}")
     return value
@@ -335,8 +342,27 @@ def validate(cfg: Config) -> None:
         f"model.d_model = {sizes['d_model']} is not divisible by model.n_head = {sizes['n_head']}",
     )
     m = model_config(cfg)
+    _check_data_fits(cfg, m.seq_len)
     _require(m.n_head % p.tp == 0, f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}")
     _require(m.n_layer % p.pp == 0, f"model.n_layer = {m.n_layer} is not divisible by parallel.pp = {p.pp}")
+
+
+def _check_data_fits(cfg: Config, seq_len: int) -> None:
+    """The corpus must hold a global batch for training and one for the held-out evaluation."""
+    from plait.data import DistributedBatchSampler, load_corpus
+
+    t = cfg.train
+    corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)  # unknown/unreadable: ConfigError
+    DistributedBatchSampler(
+        corpus.train, seq_len, t.global_batch, 0, cfg.parallel.dp, t.seed, micro_batches=t.micro_batches
+    )
+    windows = len(corpus.val) // (seq_len + 1)
+    _require(
+        windows >= t.global_batch,
+        f"the held-out split holds {windows} sequences of {seq_len + 1} tokens, fewer than one evaluation "
+        f"batch of train.global_batch = {t.global_batch}: raise data.held_out_fraction "
+        f"(now {cfg.data.held_out_fraction}), or lower train.global_batch or model.seq_len",
+    )
 
 
 def model_config(cfg: Config):

@@ -36,7 +36,11 @@ def resolve_run_dir(cfg: Config) -> Config:
     if cfg.train.run_dir:
         return cfg
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    train = dataclasses.replace(cfg.train, run_dir=str(Path("runs") / stamp))
+    path, n = Path("runs") / stamp, 1
+    while path.exists():  # two runs started in the same second
+        n += 1
+        path = Path("runs") / f"{stamp}-{n}"
+    train = dataclasses.replace(cfg.train, run_dir=str(path))
     return dataclasses.replace(cfg, train=train)
 
 
@@ -71,6 +75,10 @@ def launch(cfg: Config, resume: bool = False) -> int:
         return 0
 
     cfg = resolve_run_dir(cfg)
+    if not resume:
+        from plait.train.loop import check_fresh_run_dir
+
+        check_fresh_run_dir(Path(cfg.train.run_dir))
     if resume:  # a missing or damaged checkpoint is reported here, before any rank starts
         from plait.errors import CheckpointError
         from plait.train.checkpoint import latest_checkpoint, verify_checkpoint

@@ -25,7 +25,7 @@ from plait import comm
 from plait.comm.compress import make_compressor
 from plait.data import DistributedBatchSampler, eval_batches, load_corpus
 from plait.data_parallel import DataParallel
-from plait.errors import CheckpointError
+from plait.errors import CheckpointError, ConfigError
 from plait.mesh import Mesh, init_distributed
 from plait.models import GPT, gpt_train_flops_per_token
 from plait.optim import build_optimizer as make_optimizer
@@ -83,6 +83,8 @@ def _autocast(device: torch.device, bf16: bool):
 def _resolve_device(name: str) -> torch.device | None:
     if name == "cpu":
         return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
     return None  # auto / cuda: plait.mesh picks CUDA with the local rank
 
 
@@ -101,9 +103,21 @@ def run(cfg: Config, resume: bool = False, peak_flops: float | None = None) -> d
     mesh = Mesh(pp=p.pp, dp=p.dp, ep=p.ep, tp=p.tp, device=device, timeout_s=cfg.comm.timeout_s)
     try:
         return _train(cfg, mesh, resume, peak_flops)
+    except BaseException as exc:
+        mesh.close(reason=f"failed with {type(exc).__name__}")  # what the other ranks' reports say
+        raise
     finally:
         mesh.close()
         dist.destroy_process_group()
+
+
+def check_fresh_run_dir(run_dir: Path) -> None:
+    """A new run never writes into another run's directory (its checkpoints and metrics)."""
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        raise ConfigError(
+            f"train.run_dir {str(run_dir)!r} already holds a run: continue it with --resume {run_dir}, "
+            "or choose another train.run_dir"
+        )
 
 
 def _agreed_run_dir(cfg: Config, mesh: Mesh) -> Path:
@@ -120,6 +134,8 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     run_dir = _agreed_run_dir(cfg, mesh)
     ckpt_root = run_dir / "checkpoints"
     if mesh.is_rank0:
+        if not resume:
+            check_fresh_run_dir(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml())
     comm.barrier(mesh)
@@ -132,6 +148,8 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     )
     val = eval_batches(corpus.val, mcfg.seq_len, t.global_batch, t.eval_batches)
 
+    # measured (if not cached) before seeding; it uses its own generator anyway
+    peak = peak_flops or peak_flops_per_rank(device, t.bf16, torch.get_num_threads(), t.peak_tflops)
     torch.manual_seed(t.seed)  # identical initialisation on every rank (DataParallel broadcasts anyway)
     raw = GPT(mcfg).to(device)
     if t.activation_checkpointing:
@@ -160,8 +178,8 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     n_params = sum(q.numel() for q in raw.parameters())
     tokens_per_step = t.global_batch * mcfg.seq_len
     local_tokens = tokens_per_step // dp
-    flops_per_token = gpt_train_flops_per_token(mcfg, recompute=t.activation_checkpointing)
-    peak = peak_flops or peak_flops_per_rank(device, t.bf16, torch.get_num_threads(), t.peak_tflops)
+    # model FLOPs: recomputation is overhead, not useful work, so MFU never counts it
+    flops_per_token = gpt_train_flops_per_token(mcfg, recompute=False)
     last = min(t.steps, t.stop_at) if t.stop_at else t.steps
     _say(
         mesh,
@@ -186,7 +204,9 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     fault = _injected_fault()
     for step in range(start + 1, last + 1):
         mesh.ledger.set_step(step)
-        if fault == (mesh.global_rank, step):
+        if fault is not None and fault[:2] == (mesh.global_rank, step):
+            if fault[2] == "hang":  # a stuck rank: the others wait for it in the gradient all-reduce
+                time.sleep(10 * cfg.comm.timeout_s)
             raise RuntimeError(f"injected fault on rank {mesh.global_rank} at step {step} (PLAIT_FAIL_AT)")
         step_t0 = time.perf_counter()
         micro = sampler.next_batch()
@@ -258,13 +278,14 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     return _finish(cfg, mesh, raw, corpus, run_dir, last, loss, val_loss, n_params)
 
 
-def _injected_fault() -> tuple[int, int] | None:
-    """PLAIT_FAIL_AT=RANK:STEP makes that rank raise at that step: a hook for failure tests."""
+def _injected_fault() -> tuple[int, int, str] | None:
+    """PLAIT_FAIL_AT=RANK:STEP[:hang] makes that rank raise (or hang) at that step: a hook for
+    the failure tests."""
     spec = os.environ.get("PLAIT_FAIL_AT")
     if not spec:
         return None
-    rank, _, step = spec.partition(":")
-    return int(rank), int(step)
+    rank, step, *mode = spec.split(":")
+    return int(rank), int(step), (mode[0] if mode else "raise")
 
 
 def _truncate_metrics(run_dir: Path, step: int) -> None:

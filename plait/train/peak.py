@@ -52,8 +52,9 @@ def measure_peak_flops(
     torch.set_num_threads(threads)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     try:
-        a = torch.randn(n, n, dtype=dtype, device=device)
-        b = torch.randn(n, n, dtype=dtype, device=device)
+        gen = torch.Generator(device=device).manual_seed(0)  # never touch the training RNG streams
+        a = torch.randn(n, n, dtype=dtype, device=device, generator=gen)
+        b = torch.randn(n, n, dtype=dtype, device=device, generator=gen)
         torch.mm(a, b)  # warm-up
         sync()
         best = float("inf")
