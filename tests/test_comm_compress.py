@@ -19,23 +19,18 @@ from plait.comm.compress import (
     pack_bits,
     unpack_bits,
 )
-from plait.data_parallel import DataParallel
+from plait.data_parallel import DataParallel, GradBucket
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.testing import run_ranks
 
 
-class _Bucket:
-    """A stand-in for DataParallel's GradBucket over given parameter shapes."""
-
-    def __init__(self, shapes, values=None, index=0):
-        self.index = index
-        self.params = [torch.empty(s) for s in shapes]
-        self.offsets = [0]
-        for p in self.params[:-1]:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        n = sum(p.numel() for p in self.params)
-        self.buffer = torch.zeros(n) if values is None else values.clone()
+def _bucket(shapes, values=None, index=0) -> GradBucket:
+    """DataParallel's own GradBucket over parameters of the given shapes, holding `values`."""
+    bucket = GradBucket(index, [torch.empty(s) for s in shapes], [f"p{i}" for i in range(len(shapes))])
+    if values is not None:
+        bucket.buffer.copy_(values)
+    return bucket
 
 
 def test_onebit_reconstruction_is_the_column_means_rule():
@@ -55,7 +50,7 @@ def test_onebit_reconstruction_is_the_column_means_rule():
     # the compressor applies exactly this rule per column of a parameter (min_group=1: the paper),
     # on the parameter's own layout inside a bucket, with a bias (one column) beside it
     c = OneBitCompressor(min_group=1)
-    bucket = _Bucket([(3, 3), (2,)], torch.cat([g.reshape(-1), torch.tensor([0.5, -1.5])]))
+    bucket = _bucket([(3, 3), (2,)], torch.cat([g.reshape(-1), torch.tensor([0.5, -1.5])]))
     bits, scales = c.encode(bucket)
     out = torch.zeros(11)
     c.decode_into(out, bits, scales, bucket)
@@ -69,7 +64,7 @@ def test_small_columns_are_grouped_to_keep_the_scales_cheap():
     assert column_groups(torch.Size([100]), 2048) == (100, 1, 2100)  # a vector: one group
     g = torch.randn(128, 40, generator=torch.Generator().manual_seed(3))
     c = OneBitCompressor(min_group=2048)  # groups of 16 columns: 2 full groups and one of 8 columns
-    bucket = _Bucket([(128, 40)], g.reshape(-1))
+    bucket = _bucket([(128, 40)], g.reshape(-1))
     bits, scales = c.encode(bucket)
     assert scales.numel() == 2 * 3
     out = torch.zeros(128 * 40)
@@ -91,7 +86,7 @@ def test_bits_pack_eight_per_byte():
 
 def test_onebit_message_is_a_32nd_of_fp32_plus_scales():
     shapes = [(256, 64), (64,)]
-    b = _Bucket(shapes, torch.randn(256 * 64 + 64))
+    b = _bucket(shapes, torch.randn(256 * 64 + 64))
     bits, scales = OneBitCompressor().encode(b)  # groups of 8 columns of 256, and the bias
     n = b.buffer.numel()
     message = pack_bits(bits).numel() + scales.numel() * 4
@@ -111,7 +106,7 @@ def test_error_feedback_keeps_the_running_sums_together():
         g = torch.randn(true_sum.numel(), generator=gen) * 0.1 + 0.05  # a persistent small bias
         true_sum += g
         for c in (with_ef, without):
-            b = _Bucket(shapes, g)
+            b = _bucket(shapes, g)
             bits, scales = c.encode(b)
             out = torch.zeros_like(g)
             c.decode_into(out, bits, scales, b)
@@ -128,7 +123,7 @@ def test_topk_keeps_exactly_ceil_rn_and_the_rest_stays():
     for n, r in [(1000, 0.01), (1001, 0.01), (37, 0.1), (5, 1.0)]:
         g = torch.randn(n, generator=torch.Generator().manual_seed(n))
         c = TopKCompressor(r)
-        b = _Bucket([(n,)], g)
+        b = _bucket([(n,)], g)
         idx, values = c.select(b)
         k = math.ceil(r * n)
         assert idx.numel() == k == len(set(idx.tolist())) and idx.dtype == torch.int32
@@ -207,7 +202,7 @@ def test_onebit_sgd_converges_with_error_feedback_and_stalls_without():
                 if mode == "none":
                     total += grad
                     continue
-                b = _Bucket([(16, 32)], grad)
+                b = _bucket([(16, 32)], grad)
                 bits, scales = c.encode(b)
                 c.decode_into(total, bits, scales, b)
             w -= 0.05 * total.view(16, 32)

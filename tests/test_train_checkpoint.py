@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from plait import comm
 from plait.data import DistributedBatchSampler, load_corpus
 from plait.errors import CheckpointError
 from plait.mesh import Mesh
@@ -56,7 +57,7 @@ def _crash_mid_save(root):
         assert "No space left on device" in str(exc) and "previous checkpoint is intact" in str(exc)
     finally:
         dcp.save = real_save
-    dist.barrier()
+    comm.barrier(mesh)
     assert latest_checkpoint(root) == path  # `latest` still names step 1
 
     fresh, opt2, sched2, sampler2 = _state(99)  # different init, different data position

@@ -64,7 +64,7 @@ class OpEntry:
     def completed(self) -> bool:
         return self.t_end is not None
 
-    def describe(self, now: float | None = None) -> str:
+    def describe(self) -> str:
         peer = f" peer={self.peer}" if self.peer is not None else ""
         if self.completed:
             state = f"completed in {self.t_end - self.t_start:.3f}s"
