@@ -1,8 +1,14 @@
-"""The `plait` command: `plait train [CONFIG] [--section.key value ...] [--resume RUN_DIR]`."""
+"""The `plait` command.
+
+plait train [CONFIG] [--section.key value ...] [--resume RUN_DIR]
+plait estimate (--params N | --model NAME) [--dp N] [--zero-stage S] ... [--json]
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -71,17 +77,88 @@ def _train(argv: list[str]) -> int:
     return launch(cfg, resume=resume_dir is not None)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage, so errors stay one line."""
+
+    def error(self, message: str):
+        raise ConfigError(message)
+
+
+def _count(text: str) -> int | float:
+    # "7.5e9", "7.5B", "350M", "125k": parameter counts as people write them.
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(text[-1:].lower(), 1.0)
+    try:
+        value = float(text[:-1] if scale != 1.0 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a parameter count like 7.5e9 or 350M, got {text!r}"
+        ) from None
+    # 1.1 * 1e9 is 1100000000.0000002 in floating point: snap to the count that was meant.
+    if math.isfinite(value) and abs(value - round(value)) <= 1e-9 * abs(value):
+        return round(value)
+    return value  # estimate_memory says what is wrong with it
+
+
+def _estimate(argv: list[str]) -> int:
+    from plait.zero.estimate import OPTIMIZERS, PRECISIONS, estimate_memory, format_estimate
+
+    parser = _Parser(
+        prog="plait estimate",
+        description="Per-device memory of ZeRO training (Rajbhandari et al. 2019): model states for a "
+        "parameter count or a named model, activations too with --model and --batch. GB = 1e9 bytes.",
+    )
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9 or 350M")
+    src.add_argument("--model", help="a plait GPT config name (exact parameter count), e.g. gpt2")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree N (default 1)")
+    parser.add_argument("--zero-stage", type=int, default=0, help="0 (baseline), 1, 2 or 3 (default 0)")
+    parser.add_argument("--optimizer", default="adam", help=f"{', '.join(OPTIMIZERS)} (default adam)")
+    parser.add_argument("--precision", default="bf16", help=f"{', '.join(PRECISIONS)} (default bf16)")
+    parser.add_argument(
+        "--shard", type=int, help="hybrid sharding group size F, a divisor of dp (default dp)"
+    )
+    parser.add_argument("--batch", type=int, help="micro-batch size: adds activations (needs --model)")
+    parser.add_argument("--seq", type=int, help="sequence length (default: the model's seq_len)")
+    parser.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help: printed, nothing else to do
+        return int(exc.code or 0)
+    result = estimate_memory(
+        params=args.params,
+        model=args.model,
+        dp=args.dp,
+        zero_stage=args.zero_stage,
+        optimizer=args.optimizer,
+        precision=args.precision,
+        shard=args.shard,
+        batch=args.batch,
+        seq=args.seq,
+        recompute=args.recompute,
+    )
+    print(json.dumps(result) if args.json else format_estimate(result))
+    return 0
+
+
+COMMANDS = {"train": _train, "estimate": _estimate}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="plait", description="Distributed training, verified and measured.")
-    parser.add_argument("command", choices=["train"], help="what to do")
+    parser.add_argument(
+        "command",
+        choices=list(COMMANDS),
+        help="train: run training; estimate: per-device memory of ZeRO (plait estimate --help)",
+    )
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
-    if argv[0] not in ("train",):
-        parser.error(f"unknown command {argv[0]!r}; valid: train")
+    if argv[0] not in COMMANDS:
+        parser.error(f"unknown command {argv[0]!r}; valid: {', '.join(COMMANDS)}")
     try:
-        return _train(argv[1:])
+        return COMMANDS[argv[0]](argv[1:])
     except ConfigError as exc:
         print(f"plait: config error: {exc}", file=sys.stderr)
         return 2
