@@ -55,7 +55,7 @@ class TiledLinear(nn.Module):
 
     Example::
 
-        layer = TiledLinear(8192, 32768, in_splits=4, out_splits=8)   # 32 tiles of 2048 x 4096
+        layer = TiledLinear(8192, 32768, in_splits=4, out_splits=8)   # 32 tile weights of 4096 x 2048
         y = layer(x)                                                  # x: (..., 8192)
         dense = layer.to_linear()                                     # nn.Linear, same weights
     """
