@@ -13,6 +13,7 @@ stuck collective into an error naming the rank, the operation and the axis.
 from __future__ import annotations
 
 import datetime
+import itertools
 import math
 import os
 
@@ -64,6 +65,11 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
     return dev
 
 
+def _product(sizes: dict[str, int], axes: tuple[str, ...]):
+    """Every coordinate tuple over `axes`, in row-major order."""
+    return itertools.product(*(range(sizes[a]) for a in axes))
+
+
 class Mesh:
     """Named parallel axes over the ranks of the initialised default process group.
 
@@ -80,6 +86,10 @@ class Mesh:
         timeout_s: a collective that has not completed after this many seconds is a hang: the
             watchdog reports it and ends the process (see `plait.comm.recorder.Watchdog`).
         watchdog: set False to run without the watchdog thread (e.g. for a single process).
+        dp_shard: hybrid sharding (FSDP's HYBRID_SHARD): split dp into groups of `dp_shard`
+            consecutive dp ranks, giving two more axes: "dp_shard" (within a group: parameters
+            and optimizer state are sharded here) and "dp_replicate" (across groups, same
+            coordinate: shards are replicated here). Must divide dp.
     """
 
     def __init__(
@@ -92,6 +102,7 @@ class Mesh:
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         watchdog: bool = True,
+        dp_shard: int | None = None,
     ):
         sizes = {"pp": pp, "dp": dp, "ep": ep, "tp": tp}
         for name, n in sizes.items():
@@ -129,6 +140,9 @@ class Mesh:
         )
         self._groups = {a: (self.device_mesh.get_group(a) if sizes[a] > 1 else None) for a in AXES}
         self._axis_ranks = {a: self._ranks_along(a) for a in AXES}
+        self._sub: dict[str, tuple[int, int, list[int], dist.ProcessGroup | None]] = {}
+        if dp_shard is not None:
+            self._split_dp(dp_shard)
         self.timeout_s = float(timeout_s)
         self.ledger = Ledger()
         self.recorder = FlightRecorder(rank=self.global_rank)
@@ -155,23 +169,56 @@ class Mesh:
     def _ranks_along(self, axis: str) -> list[int]:
         return [self._global_rank({**self.coords, axis: i}) for i in range(self.sizes[axis])]
 
+    def _split_dp(self, f: int) -> None:
+        """Create the dp_shard / dp_replicate groups (every rank creates every group, in order)."""
+        dp = self.sizes["dp"]
+        if not isinstance(f, int) or isinstance(f, bool) or f < 1 or dp % f:
+            raise TopologyError(f"dp_shard must be a positive divisor of dp={dp}, got {f!r}")
+        lines: dict[str, list[list[int]]] = {"dp_shard": [], "dp_replicate": []}
+        others = [
+            dict(zip(("pp", "ep", "tp"), c, strict=True)) for c in _product(self.sizes, ("pp", "ep", "tp"))
+        ]
+        for o in others:
+            for rep in range(dp // f):
+                lines["dp_shard"].append([self._global_rank({**o, "dp": rep * f + i}) for i in range(f)])
+            for i in range(f):
+                lines["dp_replicate"].append(
+                    [self._global_rank({**o, "dp": rep * f + i}) for rep in range(dp // f)]
+                )
+        for axis, groups in lines.items():
+            size = len(groups[0])
+            mine = next(g for g in groups if self.global_rank in g)
+            group = None
+            if size > 1:
+                group, _ = dist.new_subgroups_by_enumeration(groups)
+            self._sub[axis] = (size, mine.index(self.global_rank), mine, group)
+
     def _check_axis(self, axis: str) -> None:
-        if axis not in self.sizes and axis != WORLD:
-            raise TopologyError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)} (and {WORLD!r})")
+        if axis not in self.sizes and axis != WORLD and axis not in self._sub:
+            extra = "".join(f", {a!r}" for a in self._sub)
+            raise TopologyError(
+                f"unknown mesh axis {axis!r}; the axes are {', '.join(AXES)} (and {WORLD!r}{extra})"
+            )
 
     def size(self, axis: str) -> int:
         """Number of ranks along `axis` ("world": all of them)."""
         self._check_axis(axis)
+        if axis in self._sub:
+            return self._sub[axis][0]
         return self.world_size if axis == WORLD else self.sizes[axis]
 
     def rank(self, axis: str) -> int:
         """This rank's index along `axis` (its coordinate)."""
         self._check_axis(axis)
+        if axis in self._sub:
+            return self._sub[axis][1]
         return self.global_rank if axis == WORLD else self.coords[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of this rank's line along `axis`; None when the axis has size 1."""
         self._check_axis(axis)
+        if axis in self._sub:
+            return self._sub[axis][3]
         if axis == WORLD:
             return dist.group.WORLD if self.world_size > 1 else None
         return self._groups[axis]
@@ -179,6 +226,8 @@ class Mesh:
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's line along `axis`, in axis order."""
         self._check_axis(axis)
+        if axis in self._sub:
+            return list(self._sub[axis][2])
         return list(range(self.world_size)) if axis == WORLD else list(self._axis_ranks[axis])
 
     def global_rank_of(self, axis: str, index: int) -> int:

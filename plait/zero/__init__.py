@@ -1,0 +1,194 @@
+"""ZeRO stages 0-3 (data parallel, sharded optimizer state, gradients, parameters), hybrid
+sharding, mixed precision, CPU and disk offload, tiling and the memory estimator.
+
+    engine = plait.zero.wrap(model, mesh, stage=3, optimizer=lambda g: torch.optim.AdamW(g, lr=1e-3))
+    loss = engine.module(x, y); loss.backward()
+    engine.clip_grad_norm_(1.0); engine.step(); engine.zero_grad()
+
+See docs/zero.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from plait.errors import ConfigError
+from plait.mesh import Mesh
+from plait.zero.estimate import activation_bytes, estimate_memory, model_state_bytes_formula
+from plait.zero.flat import FlatLayout, Segment, storage_bytes
+from plait.zero.offload_disk import DiskStateOptimizer, OffloadError
+from plait.zero.optimizer import ZeroOptimizer
+from plait.zero.shard import ZeroStage3, default_wrap_policy
+from plait.zero.sharded import OFFLOADS, OptimizerFactory, ShardedOptimizer
+from plait.zero.tiling import TiledLinear
+
+__all__ = [
+    "DiskStateOptimizer",
+    "OffloadError",
+    "TiledLinear",
+    "FlatLayout",
+    "MIXED_PRECISION",
+    "OFFLOADS",
+    "STAGES",
+    "Segment",
+    "ShardedOptimizer",
+    "Stage0",
+    "ZeroOptimizer",
+    "ZeroStage3",
+    "activation_bytes",
+    "default_wrap_policy",
+    "estimate_memory",
+    "model_state_bytes_formula",
+    "storage_bytes",
+    "wrap",
+]
+
+STAGES = (0, 1, 2, 3)
+MIXED_PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Stage0:
+    """Stage 0: plain data parallelism (`DataParallel`) and an unsharded optimizer, behind the
+    same interface as the ZeRO stages."""
+
+    def __init__(self, module: nn.Module, mesh: Mesh, factory: OptimizerFactory, param_groups, **ddp):
+        from plait.data_parallel import DataParallel
+
+        self.module = DataParallel(module, mesh, **ddp)
+        self.raw = module
+        self.mesh = mesh
+        self.optimizer = factory(param_groups if param_groups is not None else list(module.parameters()))
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.raw.parameters() if p.grad is not None]
+
+    def grad_norm(self) -> float:
+        return float(torch.nn.utils.get_total_norm(self._grads()))
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.raw.parameters(), max_norm, foreach=True))
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def no_sync(self):
+        return self.module.no_sync()
+
+    def memory(self) -> dict:
+        params = storage_bytes(list(self.raw.parameters()))
+        grads = storage_bytes([b.buffer for b in self.module.buckets])
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        optim = storage_bytes(state)
+        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.module.remove_hooks()
+
+
+def wrap(
+    model: nn.Module,
+    mesh: Mesh,
+    stage: int,
+    optimizer: OptimizerFactory,
+    *,
+    param_groups: list[dict] | None = None,
+    bucket_mb: float = 25.0,
+    mixed_precision: str | None = None,
+    hybrid_shard: int | None = None,
+    offload: str | None = None,
+    offload_path=None,
+    delayed_update: bool = False,
+    wrap_policy=None,
+    reshard_after_forward: bool = True,
+    allow_unused: bool = False,
+):
+    """Shard `model` and its optimizer over the mesh's dp axis with ZeRO stage `stage`.
+
+    Args:
+        model: an nn.Module on `mesh.device`, in fp32, identical on every rank or not (dp rank
+            0's values are broadcast).
+        optimizer: `optimizer(param_groups) -> torch.optim.Optimizer`, called once with groups
+            of the tensors this rank steps (shards from stage 1 on).
+        param_groups: torch-style groups of `model`'s parameters with per-group options (for
+            example `plait.optim.param_groups(model, weight_decay)`); default one group.
+        bucket_mb: bucket size for stages 0-2.
+        mixed_precision: "bf16" (parameters and gradients in bf16, fp32 master and optimizer
+            state; stages 1-3) or None/"fp32".
+        hybrid_shard: shard within groups of this many dp ranks and replicate across them;
+            the mesh must be built with `Mesh(dp=..., dp_shard=hybrid_shard)`.
+        offload: None/"none", "cpu" (master, optimizer state and step on the host) or "disk"
+            (optimizer state in files under `offload_path`); stages 1-3.
+        delayed_update: ZeRO-Offload's one-step delayed parameter update (needs offload).
+        wrap_policy: stage 3 units, `policy(name, module) -> bool` (default: transformer blocks).
+        reshard_after_forward: stage 3 frees gathered parameters after each unit's forward.
+
+    Returns an engine with `module` (call it), `optimizer` (the torch optimizer, for LR
+    schedulers), `step()`, `zero_grad()`, `clip_grad_norm_(max)`, `grad_norm()`, `no_sync()`,
+    `memory()` (model-state bytes per rank) and `close()`.
+    """
+    if stage not in STAGES:
+        raise ConfigError(f"zero_stage = {stage!r} is not valid; valid: {', '.join(map(str, STAGES))}")
+    if not callable(optimizer):
+        raise ConfigError("optimizer must be a callable building a torch optimizer from param groups")
+    precision = mixed_precision or "fp32"
+    if precision not in MIXED_PRECISION:
+        raise ConfigError(
+            f"mixed_precision = {mixed_precision!r} is not valid; valid: {', '.join(MIXED_PRECISION)}"
+        )
+    offload = offload or "none"
+    if offload not in OFFLOADS:
+        raise ConfigError(f"offload = {offload!r} is not valid; valid: {', '.join(OFFLOADS)}")
+    if stage == 0:
+        if precision != "fp32" or offload != "none" or hybrid_shard:
+            raise ConfigError(
+                "zero_stage = 0 (plain data parallel) takes no mixed_precision policy, offload or "
+                "hybrid_shard; use zero_stage >= 1"
+            )
+        return Stage0(model, mesh, optimizer, param_groups, bucket_mb=bucket_mb, allow_unused=allow_unused)
+    shard_axis, replicate_axis = "dp", None
+    if hybrid_shard:
+        try:
+            size = mesh.size("dp_shard")
+        except Exception:
+            size = None
+        if size != hybrid_shard:
+            raise ConfigError(
+                f"hybrid_shard = {hybrid_shard} needs a mesh built with dp_shard={hybrid_shard} "
+                f"(Mesh(dp={mesh.size('dp')}, dp_shard={hybrid_shard}))"
+            )
+        shard_axis, replicate_axis = "dp_shard", "dp_replicate"
+    common = dict(
+        param_groups=param_groups,
+        shard_axis=shard_axis,
+        replicate_axis=replicate_axis,
+        compute_dtype=MIXED_PRECISION[precision],
+        offload=offload,
+        offload_path=offload_path,
+        delayed_update=delayed_update,
+    )
+    if stage in (1, 2):
+        engine = ZeroOptimizer(
+            model, mesh, optimizer, stage=stage, bucket_mb=bucket_mb, allow_unused=allow_unused, **common
+        )
+    else:
+        engine = ZeroStage3(
+            model,
+            mesh,
+            optimizer,
+            wrap_policy=wrap_policy,
+            reshard_after_forward=reshard_after_forward,
+            **common,
+        )
+    engine.finish = engine.shards.finish
+    if not hasattr(engine, "no_sync"):
+        engine.no_sync = contextlib.nullcontext
+    return engine
