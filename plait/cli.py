@@ -61,13 +61,14 @@ def _train(argv: list[str]) -> int:
         changed = [
             k
             for k, _ in overrides
-            if k.split(".")[0] in ("model", "data", "parallel")
+            if (k.split(".")[0] in ("model", "data", "parallel") and k not in RESHARDABLE)
             or k in ("train.global_batch", "train.micro_batches", "train.seed")
         ]
         if changed:
             raise ConfigError(
                 f"--resume continues the run as configured; {', '.join(changed)} cannot change on resume "
-                "(the checkpoint holds that model and data layout): start a new run instead"
+                "(the checkpoint holds that model and data layout): start a new run instead. "
+                f"What may change: {', '.join(RESHARDABLE)} and the [offload] keys"
             )
         # A resumed run goes to the end unless told otherwise: the interruption is not part of the config.
         overrides = [("train.stop_at", "0"), *overrides, ("train.run_dir", str(resume_dir))]
@@ -75,6 +76,11 @@ def _train(argv: list[str]) -> int:
     from plait.train.launch import launch
 
     return launch(cfg, resume=resume_dir is not None)
+
+
+# Checkpoints are saved layout-free (plait.zero.state): a run may resume on another dp degree,
+# ZeRO stage, hybrid group or bucket size, and DCP reads the shards the new layout needs.
+RESHARDABLE = ("parallel.dp", "parallel.zero_stage", "parallel.hybrid_shard", "parallel.bucket_mb")
 
 
 class _Parser(argparse.ArgumentParser):

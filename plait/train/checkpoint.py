@@ -11,8 +11,10 @@ manifest and rename the directory, then replace `latest` (write-then-rename): a 
 point mid-save leaves the previous checkpoint and `latest` untouched. A load checks the manifest
 before DCP reads anything, so a truncated or corrupted file is reported as such, with its name.
 
-What is saved: the model and optimizer (`get_state_dict`, keyed by parameter name), the LR
-schedule, the step, the sampler position, and every rank's RNG states (own keys per rank).
+What is saved: the model and optimizer in the layout-free form of `plait.zero.state` (each
+parameter and optimizer state as a 1-D tensor keyed by parameter name; under ZeRO each rank
+writes only its shards, and a load reshards to any dp degree or stage), the parameter groups'
+options, the LR schedule, the step, the sampler position, and every rank's RNG states.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from plait import comm
 from plait.errors import CheckpointError
 from plait.mesh import Mesh
+from plait.zero.state import group_options, set_group_options
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
@@ -75,9 +77,11 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save_checkpoint(
-    root: str | Path, step: int, mesh: Mesh, model, optimizer, scheduler, sampler, keep: int = 2
+    root: str | Path, step: int, mesh: Mesh, engine, scheduler, sampler, keep: int = 2
 ) -> Path:
-    """Save everything needed to continue bit for bit; returns the checkpoint directory."""
+    """Save everything needed to continue bit for bit; returns the checkpoint directory.
+
+    `engine` is a `plait.zero.wrap` engine (any stage)."""
     root = Path(root)
     final = _step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -85,7 +89,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     comm.barrier(mesh)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    engine.finish()  # a delayed (ZeRO-Offload DPU) step still in flight is part of this state
+    model_sd, optim_sd = engine.checkpoint_state()
     state = {
         "model": model_sd,
         "optim": optim_sd,
@@ -94,6 +99,7 @@ def save_checkpoint(
             {
                 "step": step,
                 "scheduler": scheduler.state_dict(),
+                "param_groups": group_options(engine.optimizer),
                 "sampler": sampler.state_dict(),
                 "world_size": mesh.world_size,
             }
@@ -172,11 +178,12 @@ def verify_checkpoint(path: str | Path) -> dict:
     return manifest
 
 
-def load_checkpoint(path: str | Path, mesh: Mesh, model, optimizer, scheduler, sampler) -> int:
-    """Restore a checkpoint saved by `save_checkpoint`; returns its step."""
+def load_checkpoint(path: str | Path, mesh: Mesh, engine, scheduler, sampler) -> int:
+    """Restore a checkpoint saved by `save_checkpoint` into `engine` (any ZeRO stage and dp
+    degree: the shards are read from whatever layout saved them); returns its step."""
     path = Path(path)
     manifest = verify_checkpoint(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = engine.checkpoint_state()
     rng_key = f"rng_rank{mesh.global_rank}"
     state = {"model": model_sd, "optim": optim_sd, "extra": ""}
     same_world = manifest.get("world_size") == mesh.world_size
@@ -186,8 +193,9 @@ def load_checkpoint(path: str | Path, mesh: Mesh, model, optimizer, scheduler, s
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
         raise CheckpointError(f"loading {path} failed: {exc}") from exc
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    engine.checkpoint_loaded()
     extra = json.loads(state["extra"])
+    set_group_options(engine.optimizer, extra["param_groups"])
     scheduler.load_state_dict(extra["scheduler"])
     sampler.load_state_dict(extra["sampler"])
     if same_world:

@@ -97,6 +97,23 @@ class ParallelConfig:
     pp: int = _f(1, "pipeline-parallel degree (issue #5; only 1 for now)")
     ep: int = _f(1, "expert-parallel degree (only 1 for now)")
     bucket_mb: float = _f(25.0, "gradient bucket size in MB for the data-parallel all-reduce")
+    zero_stage: int = _f(
+        0, "ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters (FSDP)"
+    )
+    hybrid_shard: int = _f(
+        0, "shard within groups of this many dp ranks and replicate across groups (0 = shard over all dp)"
+    )
+
+
+@dataclasses.dataclass
+class OffloadConfig:
+    """ZeRO-Offload / ZeRO-Infinity: where the optimizer state and step live (zero_stage >= 1)."""
+
+    optimizer: str = _f("none", "none; cpu (master, state and step on the host); disk (state in files)")
+    path: str = _f("", "directory for disk offload files (default: <run_dir>/offload)")
+    delayed_update: bool = _f(
+        False, "one-step delayed parameter update: the step overlaps the next iteration"
+    )
 
 
 @dataclasses.dataclass
@@ -125,6 +142,7 @@ class Config:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
 
     @property
     def world_size(self) -> int:
@@ -153,6 +171,7 @@ _SECTION_TYPES = {
     "parallel": ParallelConfig,
     "comm": CommConfig,
     "optim": OptimConfig,
+    "offload": OffloadConfig,
 }
 
 
@@ -328,6 +347,7 @@ def validate(cfg: Config) -> None:
         f"optim.name = {cfg.optim.name!r} is unknown; valid: {', '.join(OPTIMIZER_NAMES)}",
     )
     _require(0 <= cfg.optim.momentum < 1, f"optim.momentum must be in [0, 1), got {cfg.optim.momentum}")
+    _validate_zero(cfg)
     from plait.models import gpt_config
 
     base = gpt_config(cfg.model.name)  # an unknown name is an error listing the valid ones
@@ -345,6 +365,66 @@ def validate(cfg: Config) -> None:
     _check_data_fits(cfg, m.seq_len)
     _require(m.n_head % p.tp == 0, f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}")
     _require(m.n_layer % p.pp == 0, f"model.n_layer = {m.n_layer} is not divisible by parallel.pp = {p.pp}")
+
+
+def _validate_zero(cfg: Config) -> None:
+    """ZeRO stage, hybrid sharding and offload settings (plait.zero)."""
+    p, o = cfg.parallel, cfg.offload
+    _require(
+        p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage = {p.zero_stage} is not valid; valid: 0, 1, 2, 3"
+    )
+    _require(
+        p.hybrid_shard >= 0 and (p.hybrid_shard == 0 or p.dp % p.hybrid_shard == 0),
+        f"parallel.hybrid_shard = {p.hybrid_shard} must divide parallel.dp = {p.dp} (or be 0 for no hybrid)",
+    )
+    _require(
+        p.hybrid_shard == 0 or p.zero_stage >= 1,
+        "parallel.hybrid_shard needs parallel.zero_stage >= 1 (there is nothing to shard at stage 0)",
+    )
+    _require(
+        o.optimizer in ("none", "cpu", "disk"),
+        f"offload.optimizer = {o.optimizer!r} is not valid; valid: none, cpu, disk",
+    )
+    _require(
+        o.optimizer == "none" or p.zero_stage >= 1,
+        f"offload.optimizer = {o.optimizer!r} needs parallel.zero_stage >= 1 (offload moves the shards)",
+    )
+    _require(
+        not o.delayed_update or o.optimizer != "none",
+        "offload.delayed_update needs offload.optimizer = 'cpu' or 'disk'",
+    )
+    _require(
+        not (o.delayed_update and cfg.optim.name in ("lamb", "lars") and p.dp > 1 and p.zero_stage >= 1),
+        "offload.delayed_update cannot run optim.name = lamb/lars: their per-layer norms need a collective "
+        "inside the step, which runs in a background thread; use adamw or sgd",
+    )
+    _require(
+        not (o.optimizer == "disk" and cfg.optim.name in ("lamb", "lars") and p.dp > 1),
+        "offload.optimizer = 'disk' cannot run optim.name = lamb/lars on sharded layers (their norms "
+        "need all of a layer at once); use cpu offload or adamw/sgd",
+    )
+    _require(
+        p.zero_stage == 0 or cfg.comm.compression == "none",
+        f"comm.compression = {cfg.comm.compression!r} compresses the stage-0 all-reduce; with "
+        f"parallel.zero_stage = {p.zero_stage} set comm.compression = 'none'",
+    )
+    if o.optimizer == "disk" and o.path:
+        check_writable_dir(o.path, "offload.path")
+
+
+def check_writable_dir(path: str, key: str) -> None:
+    """Create `path` if needed and write a probe file, or raise a ConfigError naming `key`."""
+    import os
+    import tempfile
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".plait-probe-"):
+            pass
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"no write permission on {path}")
+    except OSError as exc:
+        raise ConfigError(f"{key} = {path!r} is not a writable directory ({exc}); choose another") from None
 
 
 def _check_data_fits(cfg: Config, seq_len: int) -> None:

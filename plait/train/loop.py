@@ -21,15 +21,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from plait import comm
+from plait import comm, zero
 from plait.comm.compress import make_compressor
 from plait.data import DistributedBatchSampler, eval_batches, load_corpus
-from plait.data_parallel import DataParallel
 from plait.errors import CheckpointError, ConfigError
 from plait.mesh import Mesh, init_distributed
 from plait.models import GPT, gpt_train_flops_per_token
+from plait.optim import allreduce_norms, param_groups
 from plait.optim import build_optimizer as make_optimizer
-from plait.optim import param_groups
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.train.config import Config, model_config
 from plait.train.metrics import MetricsWriter, peak_memory_bytes, plot_loss_curve, read_metrics
@@ -45,16 +44,67 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """The configured optimizer; weight decay (and LAMB/LARS's trust ratio) on matrices only."""
-    t = cfg.train
-    return make_optimizer(
-        cfg.optim.name,
-        param_groups(model, t.weight_decay),
-        lr=t.lr,
-        betas=(t.beta1, t.beta2),
-        momentum=cfg.optim.momentum,
+def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path):
+    """Data parallel or ZeRO (plait.zero.wrap) with the configured optimizer; weight decay (and
+    LAMB/LARS's trust ratio) on matrices only. Sharded LAMB/LARS reduce their per-layer norms
+    over the shard axis, so each shard sees its whole layer's norms."""
+    t, p, o = cfg.train, cfg.parallel, cfg.offload
+    shard_axis = "dp_shard" if p.hybrid_shard else "dp"
+    reducer = allreduce_norms(mesh, shard_axis) if p.zero_stage >= 1 else None
+
+    def factory(groups):
+        return make_optimizer(
+            cfg.optim.name,
+            groups,
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            momentum=cfg.optim.momentum,
+            norm_reducer=reducer,
+        )
+
+    c = cfg.comm
+    extra = {}
+    if p.zero_stage == 0:
+        extra["comm_hook"] = make_compressor(
+            c.compression, topk_ratio=c.topk_ratio, error_feedback=c.error_feedback
+        )
+    else:
+        extra.update(
+            mixed_precision="bf16" if t.bf16 else None,
+            hybrid_shard=p.hybrid_shard or None,
+            offload=o.optimizer,
+            offload_path=(o.path or str(run_dir / "offload")) if o.optimizer == "disk" else None,
+            delayed_update=o.delayed_update,
+        )
+    return zero.wrap(
+        raw,
+        mesh,
+        p.zero_stage,
+        factory,
+        param_groups=param_groups(raw, t.weight_decay),
+        bucket_mb=p.bucket_mb,
+        **extra,
     )
+
+
+def describe_engine(cfg: Config, engine) -> str:
+    """One line: the sharding and the mixed-precision policy (printed at start-up)."""
+    p, o = cfg.parallel, cfg.offload
+    if p.zero_stage == 0:
+        what = f"data parallel, {len(engine.module.buckets)} gradient bucket(s)"
+        precision = "bf16 autocast, fp32 parameters" if cfg.train.bf16 else "fp32"
+    else:
+        what = f"ZeRO stage {p.zero_stage}"
+        if p.hybrid_shard:
+            what += f", hybrid: shard over {p.hybrid_shard}, replicate x{p.dp // p.hybrid_shard}"
+        if o.optimizer != "none":
+            what += f", offload {o.optimizer}" + (" + delayed update" if o.delayed_update else "")
+        precision = (
+            "parameters and gradients bf16, master weights and optimizer state fp32"
+            if cfg.train.bf16
+            else "fp32 throughout"
+        )
+    return f"{what} | precision: {precision}"
 
 
 @torch.no_grad()
@@ -100,7 +150,15 @@ def run(cfg: Config, resume: bool = False, peak_flops: float | None = None) -> d
         _resolve_device(cfg.train.device), timeout_s=max(1800.0, 2 * cfg.comm.timeout_s)
     )
     p = cfg.parallel
-    mesh = Mesh(pp=p.pp, dp=p.dp, ep=p.ep, tp=p.tp, device=device, timeout_s=cfg.comm.timeout_s)
+    mesh = Mesh(
+        pp=p.pp,
+        dp=p.dp,
+        ep=p.ep,
+        tp=p.tp,
+        device=device,
+        timeout_s=cfg.comm.timeout_s,
+        dp_shard=p.hybrid_shard or None,
+    )
     try:
         return _train(cfg, mesh, resume, peak_flops)
     except BaseException as exc:
@@ -152,12 +210,11 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     peak = peak_flops or peak_flops_per_rank(device, t.bf16, torch.get_num_threads(), t.peak_tflops)
     torch.manual_seed(t.seed)  # identical initialisation on every rank (DataParallel broadcasts anyway)
     raw = GPT(mcfg).to(device)
+    n_params = sum(q.numel() for q in raw.parameters())
     if t.activation_checkpointing:
         apply_activation_checkpointing(raw)
-    c = cfg.comm
-    compressor = make_compressor(c.compression, topk_ratio=c.topk_ratio, error_feedback=c.error_feedback)
-    model = DataParallel(raw, mesh, bucket_mb=cfg.parallel.bucket_mb, comm_hook=compressor)
-    optimizer = build_optimizer(raw, cfg)
+    engine = build_engine(raw, cfg, mesh, run_dir)
+    model, optimizer = engine.module, engine.optimizer
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr / t.lr)
     )
@@ -168,14 +225,13 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
         path = latest_checkpoint(ckpt_root)
         if path is None:
             raise CheckpointError(f"--resume: {ckpt_root} holds no checkpoint to resume from")
-        start = load_checkpoint(path, mesh, raw, optimizer, scheduler, sampler)
+        start = load_checkpoint(path, mesh, engine, scheduler, sampler)
         _say(mesh, f"resumed from {path} at step {start}")
         if mesh.is_rank0:
             _truncate_metrics(run_dir, start)
     comm.barrier(mesh)
     metrics = MetricsWriter(run_dir, mesh.global_rank)
 
-    n_params = sum(q.numel() for q in raw.parameters())
     tokens_per_step = t.global_batch * mcfg.seq_len
     local_tokens = tokens_per_step // dp
     # model FLOPs: recomputation is overhead, not useful work, so MFU never counts it
@@ -185,9 +241,10 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
         mesh,
         f"plait: GPT {mcfg.n_layer}L {mcfg.n_head}H d={mcfg.d_model} seq={mcfg.seq_len} "
         f"({n_params / 1e6:.2f}M params) | mesh {mesh.shape_str()} on {device} | "
-        f"global batch {t.global_batch} x {mcfg.seq_len} tokens | {len(model.buckets)} gradient "
-        f"bucket(s) | steps {start + 1}..{last} | run dir {run_dir}",
+        f"global batch {t.global_batch} x {mcfg.seq_len} tokens | steps {start + 1}..{last} | "
+        f"run dir {run_dir}",
     )
+    _say(mesh, f"plait: {describe_engine(cfg, engine)}")
 
     bar = tqdm(
         total=t.steps,
@@ -207,27 +264,28 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
         if fault is not None and fault[:2] == (mesh.global_rank, step):
             if fault[2] == "hang":  # a stuck rank: the others wait for it in the gradient all-reduce
                 time.sleep(10 * cfg.comm.timeout_s)
-            raise RuntimeError(f"injected fault on rank {mesh.global_rank} at step {step} (PLAIT_FAIL_AT)")
+            if fault[2] == "enospc":  # the disk fills up: every offload write from now on fails
+                _fill_disk()
+                fault = None
+            else:
+                raise RuntimeError(
+                    f"injected fault on rank {mesh.global_rank} at step {step} (PLAIT_FAIL_AT)"
+                )
         step_t0 = time.perf_counter()
         micro = sampler.next_batch()
         local_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, (x, y) in enumerate(micro):
-            sync = contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync()
+            sync = contextlib.nullcontext() if i == len(micro) - 1 else engine.no_sync()
             with sync:
                 with _autocast(device, t.bf16):
                     loss_sum = model(x.to(device), y.to(device), reduction="sum")
                 (loss_sum / local_tokens).backward()
             local_sum += loss_sum.detach().double()
-        if t.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(raw.parameters(), t.grad_clip, foreach=True))
-        else:
-            grad_norm = float(
-                torch.nn.utils.get_total_norm([q.grad for q in raw.parameters() if q.grad is not None])
-            )
+        grad_norm = engine.clip_grad_norm_(t.grad_clip) if t.grad_clip > 0 else engine.grad_norm()
         lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
+        engine.step()
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        engine.zero_grad(set_to_none=True)
         mesh.ledger.set_step(-1)  # the loss report is not part of the step's traffic
         loss = comm.all_reduce_scalar(float(local_sum), mesh, ("dp",)) / tokens_per_step
         step_time = time.perf_counter() - step_t0
@@ -245,6 +303,7 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
             tok_s = window_steps * tokens_per_step / elapsed
             mfu = tok_s * flops_per_token / (peak * mesh.world_size)
             mem = peak_memory_bytes(device)
+            record.update(model_state_bytes=engine.memory())
             record.update(
                 tokens_per_s=tok_s,
                 mfu=mfu,
@@ -259,6 +318,8 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
             )
             window_t0, window_steps = time.perf_counter(), 0
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+            if step == t.steps:
+                engine.finish()  # the final held-out loss is of the final parameters
             val_loss = evaluate(raw, val, mesh, device, t.bf16)
             record["val_loss"] = val_loss
             _say(
@@ -270,17 +331,30 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == last:
-            save_checkpoint(
-                ckpt_root, step, mesh, raw, optimizer, scheduler, sampler, keep=t.keep_checkpoints
-            )
+            save_checkpoint(ckpt_root, step, mesh, engine, scheduler, sampler, keep=t.keep_checkpoints)
     bar.close()
     metrics.close()
-    return _finish(cfg, mesh, raw, corpus, run_dir, last, loss, val_loss, n_params)
+    engine.finish()
+    summary = _finish(cfg, mesh, raw, corpus, run_dir, last, loss, val_loss, n_params, engine.memory())
+    engine.close()
+    return summary
+
+
+def _fill_disk() -> None:
+    """Make every later disk-offload write fail as on a full disk (ENOSPC)."""
+    import errno
+
+    from plait.zero import offload_disk
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    offload_disk._write_file = full
 
 
 def _injected_fault() -> tuple[int, int, str] | None:
-    """PLAIT_FAIL_AT=RANK:STEP[:hang] makes that rank raise (or hang) at that step: a hook for
-    the failure tests."""
+    """PLAIT_FAIL_AT=RANK:STEP[:hang|:enospc] makes that rank raise, hang, or find its disk full
+    (disk offload writes fail) at that step: a hook for the failure tests."""
     spec = os.environ.get("PLAIT_FAIL_AT")
     if not spec:
         return None
@@ -305,6 +379,7 @@ def _finish(
     loss: float,
     val_loss: float | None,
     n_params: int,
+    memory: dict,
 ) -> dict:
     summary = {
         "step": step,
@@ -312,7 +387,15 @@ def _finish(
         "val_loss": val_loss,
         "params": n_params,
         "unigram_entropy_bits": corpus.unigram_entropy_bits(),
+        "model_state_bytes_per_rank": memory,
     }
+    sample = None
+    if cfg.train.sample_tokens and step == cfg.train.steps:
+        # every rank generates: under ZeRO-3 each forward gathers parameters from all of them
+        prompt = corpus.encode("The ").unsqueeze(0).to(mesh.device)
+        gen = torch.Generator(device=mesh.device).manual_seed(cfg.train.seed)
+        out = raw.generate(prompt, cfg.train.sample_tokens, temperature=0.8, top_k=40, generator=gen)
+        sample = corpus.decode(out[0].cpu())
     if not mesh.is_rank0:
         return summary
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -329,12 +412,15 @@ def _finish(
             f"held-out loss {val_loss:.4f} nats/byte = {val_loss / math.log(2):.3f} bits/byte; "
             f"unigram entropy of the corpus {summary['unigram_entropy_bits']:.3f} bits/byte",
         )
-    if cfg.train.sample_tokens and step == cfg.train.steps:
-        prompt = corpus.encode("The ").unsqueeze(0).to(mesh.device)
-        gen = torch.Generator(device=mesh.device).manual_seed(cfg.train.seed)
-        out = raw.generate(prompt, cfg.train.sample_tokens, temperature=0.8, top_k=40, generator=gen)
-        summary["sample"] = corpus.decode(out[0].cpu())
-        _say(mesh, "sample:\n" + summary["sample"])
+    mib = {k: v / 2**20 for k, v in memory.items()}
+    _say(
+        mesh,
+        f"model states per rank: parameters {mib['params']:.2f} MiB, gradients {mib['grads']:.2f} MiB, "
+        f"optimizer {mib['optimizer']:.2f} MiB (total {mib['total']:.2f} MiB)",
+    )
+    if sample is not None:
+        summary["sample"] = sample
+        _say(mesh, "sample:\n" + sample)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     _say(mesh, f"run dir: {run_dir} (config.toml, metrics.jsonl, loss.png, checkpoints/)")
     return summary

@@ -10,8 +10,6 @@ See docs/zero.md.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -23,6 +21,7 @@ from plait.zero.offload_disk import DiskStateOptimizer, OffloadError
 from plait.zero.optimizer import ZeroOptimizer
 from plait.zero.shard import ZeroStage3, default_wrap_policy
 from plait.zero.sharded import OFFLOADS, OptimizerFactory, ShardedOptimizer
+from plait.zero.state import plain_state
 from plait.zero.tiling import TiledLinear
 
 __all__ = [
@@ -90,6 +89,15 @@ class Stage0:
     def finish(self) -> None:
         pass
 
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        return plain_state(self.raw, self.optimizer)
+
+    def checkpoint_loaded(self) -> None:
+        pass  # loaded in place into the parameters and optimizer state
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.raw.named_parameters()}
+
     def close(self) -> None:
         self.module.remove_hooks()
 
@@ -110,6 +118,7 @@ def wrap(
     wrap_policy=None,
     reshard_after_forward: bool = True,
     allow_unused: bool = False,
+    comm_hook=None,
 ):
     """Shard `model` and its optimizer over the mesh's dp axis with ZeRO stage `stage`.
 
@@ -130,6 +139,7 @@ def wrap(
         delayed_update: ZeRO-Offload's one-step delayed parameter update (needs offload).
         wrap_policy: stage 3 units, `policy(name, module) -> bool` (default: transformer blocks).
         reshard_after_forward: stage 3 frees gathered parameters after each unit's forward.
+        comm_hook: stage 0 only, replaces DataParallel's bucket all-reduce (e.g. a compressor).
 
     Returns an engine with `module` (call it), `optimizer` (the torch optimizer, for LR
     schedulers), `step()`, `zero_grad()`, `clip_grad_norm_(max)`, `grad_norm()`, `no_sync()`,
@@ -148,12 +158,22 @@ def wrap(
     if offload not in OFFLOADS:
         raise ConfigError(f"offload = {offload!r} is not valid; valid: {', '.join(OFFLOADS)}")
     if stage == 0:
-        if precision != "fp32" or offload != "none" or hybrid_shard:
+        if precision != "fp32" or offload != "none" or hybrid_shard or delayed_update:
             raise ConfigError(
                 "zero_stage = 0 (plain data parallel) takes no mixed_precision policy, offload or "
                 "hybrid_shard; use zero_stage >= 1"
             )
-        return Stage0(model, mesh, optimizer, param_groups, bucket_mb=bucket_mb, allow_unused=allow_unused)
+        return Stage0(
+            model,
+            mesh,
+            optimizer,
+            param_groups,
+            bucket_mb=bucket_mb,
+            allow_unused=allow_unused,
+            comm_hook=comm_hook,
+        )
+    if comm_hook is not None:
+        raise ConfigError("comm_hook replaces the stage-0 all-reduce; ZeRO stages reduce-scatter instead")
     shard_axis, replicate_axis = "dp", None
     if hybrid_shard:
         try:
@@ -188,7 +208,4 @@ def wrap(
             reshard_after_forward=reshard_after_forward,
             **common,
         )
-    engine.finish = engine.shards.finish
-    if not hasattr(engine, "no_sync"):
-        engine.no_sync = contextlib.nullcontext
     return engine

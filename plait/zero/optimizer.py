@@ -28,6 +28,7 @@ from torch import nn
 from plait import comm
 from plait.errors import ConfigError, DataParallelError
 from plait.mesh import Mesh
+from plait.zero.engine import ShardedEngine
 from plait.zero.flat import FlatLayout, storage_bytes
 from plait.zero.sharded import OptimizerFactory, ShardedOptimizer, ShardGroup
 
@@ -51,7 +52,7 @@ class _Bucket:
         return self.grad_buf
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(ShardedEngine):
     """ZeRO stage 1 or 2 over `module` (use `plait.zero.wrap` rather than this class directly).
 
     After construction call `module` as usual, `loss.backward()`, then `step()` and `zero_grad()`.
@@ -94,7 +95,9 @@ class ZeroOptimizer:
         self.buckets = self._build_buckets(int(bucket_mb * 1e6), compute_dtype)
         self._broadcast()
         host = torch.device("cpu") if offload != "none" else mesh.device
-        self.master_is_separate = compute_dtype != torch.float32 or host != mesh.device
+        self.master_is_separate = (
+            compute_dtype != torch.float32 or host != mesh.device or delayed_update
+        )  # DPU steps it while the model computes
         groups = []
         for b in self.buckets:
             lo, hi = b.layout.shard_range(self.rank)
@@ -234,18 +237,9 @@ class ZeroOptimizer:
                 b.flat[lo:hi].copy_(g.master)
             comm.all_gather(b.flat, b.flat[lo:hi].clone(), self.mesh, self.shard_axis)
 
-    def step(self) -> None:
-        self.shards.step()
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.shards.zero_grad()
         self._reduced = False
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        return self.shards.clip_grad_norm_(max_norm)
-
-    def grad_norm(self) -> float:
-        return self.shards.grad_norm()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -256,10 +250,6 @@ class ZeroOptimizer:
             yield
         finally:
             self._sync = previous
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, in fp32, keyed by name (collective over the shard axis)."""
-        return self.shards.full_parameters()
 
     def memory(self) -> dict:
         """Model-state bytes held by this rank, counted from tensor storage."""
@@ -272,4 +262,4 @@ class ZeroOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self.shards.close()
+        super().close()

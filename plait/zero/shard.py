@@ -31,6 +31,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from plait import comm
 from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.zero.engine import ShardedEngine
 from plait.zero.flat import FlatLayout, alloc_storage, free_storage, storage_bytes
 from plait.zero.sharded import OptimizerFactory, ShardedOptimizer, ShardGroup
 
@@ -169,7 +170,7 @@ def _tensors(obj):
             yield from _tensors(o)
 
 
-class ZeroStage3:
+class ZeroStage3(ShardedEngine):
     """ZeRO-3 / FSDP over any nn.Module (use `plait.zero.wrap`).
 
     Args:
@@ -206,7 +207,9 @@ class ZeroStage3:
         self.compute_dtype = compute_dtype
         self.reshard = reshard_after_forward
         self.host = torch.device("cpu") if offload != "none" else mesh.device
-        self.master_is_separate = compute_dtype != torch.float32 or self.host != mesh.device
+        self.master_is_separate = (
+            compute_dtype != torch.float32 or self.host != mesh.device or delayed_update
+        )  # DPU steps it while the model computes
         for buf in module.buffers():
             comm.broadcast(buf, mesh, "dp", src=0)
         policy = wrap_policy or default_wrap_policy(module)
@@ -318,28 +321,9 @@ class ZeroStage3:
             if self.master_is_separate:
                 u.shard.copy_(u.group.master)
 
-    def step(self) -> None:
-        self.shards.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.shards.zero_grad()
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        return self.shards.clip_grad_norm_(max_norm)
-
-    def grad_norm(self) -> float:
-        return self.shards.grad_norm()
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, in fp32, keyed by name (collective over the shard axis)."""
-        return self.shards.full_parameters()
-
     def memory(self) -> dict:
         """Model-state bytes held by this rank, counted from tensor storage."""
         params = storage_bytes([u.shard for u in self.units] + [u.flat for u in self.units])
         grads = storage_bytes([u.group.grad for u in self.units])
         optim = self.shards.optimizer_bytes(self.master_is_separate)
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
-
-    def close(self) -> None:
-        self.shards.close()
