@@ -106,7 +106,9 @@ class ZeroOptimizer(ShardedEngine):
                 master = master.to(device=host, dtype=torch.float32, copy=True)
             # stage 1 keeps the reduced shard inside its full gradient buffer: no extra copy
             grad = b.alloc_grad()[lo:hi] if stage == 1 else None
-            groups.append(ShardGroup(b.layout, self.rank, master, compute_dtype, grad=grad))
+            groups.append(
+                ShardGroup(b.layout, self.rank, master, compute_dtype, grad=grad, device=mesh.device)
+            )
         for b in self.buckets:  # the module's parameters become views of the flat buckets
             for p, v in zip(b.params, b.layout.views(b.flat), strict=True):
                 p.data = v

@@ -67,7 +67,7 @@ class _Unit:
         comm.broadcast(full, engine.mesh, "dp", src=0)  # every replica starts from rank 0's values
         lo, hi = self.layout.shard_range(engine.rank)
         master = full[lo:hi].to(device=engine.host, copy=True)
-        self.group = ShardGroup(self.layout, engine.rank, master, engine.compute_dtype)
+        self.group = ShardGroup(self.layout, engine.rank, master, engine.compute_dtype, device=dev)
         # the compute-dtype shard that is gathered (the master itself in fp32 on the device)
         self.shard = master if not engine.master_is_separate else full[lo:hi].to(engine.compute_dtype)
         del full

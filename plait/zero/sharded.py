@@ -41,13 +41,15 @@ class ShardGroup:
         master: torch.Tensor,
         grad_dtype: torch.dtype,
         grad: torch.Tensor | None = None,
+        device: torch.device | None = None,
     ):
         self.layout = layout
         self.rank = rank
         self.master = master  # fp32, [shard_numel]; may be a view of the flat parameters themselves
         # the reduced gradient shard; ZeRO-1 passes a view of its full gradient buffer
-        self.grad = grad if grad is not None else torch.zeros(layout.shard_numel, dtype=grad_dtype)
-        self.grad = self.grad.to(grad_dtype)
+        if grad is None:  # on the compute device: the reduce-scatter writes it there
+            grad = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=device or master.device)
+        self.grad = grad
         self.segments = layout.segments(rank)
         self.seg_params = [master[s.shard_offset : s.shard_offset + s.length] for s in self.segments]
 
