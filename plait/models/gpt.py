@@ -142,21 +142,36 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+
+        self.core = AttentionCore(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         n_head = q.shape[-1] // self.head_dim
         q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = self.core(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
         return self.resid_dropout(self.proj(y))
+
+
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v with attention dropout: no parameters.
+
+    A module of its own so that a parallel plan can wrap it (tensor parallelism runs it on a
+    per-rank random stream: each rank drops out its own heads)."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
 
 
 class FeedForward(nn.Module):
@@ -187,6 +202,17 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Token-level cross-entropy of (B, T, V) logits against (B, T) targets, in fp32."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction=reduction
+    )
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class GPT(nn.Module):
     """GPT-2 style language model; see the module docstring for the layout."""
 
@@ -201,6 +227,11 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight
+        # Hooks a parallel plan may replace (plait.tensor_parallel.apply_tp does, for a head whose
+        # output is a vocabulary shard): the loss of logits and targets, and the logits returned
+        # when no targets are given.
+        self.loss_fn = cross_entropy
+        self.output_fn = _identity
         self.init_weights()
 
     @torch.no_grad()
@@ -249,8 +280,8 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.reshape(B * T, -1).float(), targets.reshape(B * T), reduction=reduction)
+            return self.output_fn(logits)
+        return self.loss_fn(logits, targets, reduction)
 
     @torch.no_grad()
     def generate(
