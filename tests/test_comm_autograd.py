@@ -2,7 +2,8 @@
 
 Each rank builds every rank's inputs and upstream gradients from fixed seeds, so it can compute
 on its own what the collective must return and which gradient must come back. Upstream
-gradients are non-contiguous on purpose.
+gradients are non-contiguous on purpose. One spawn of 4 ranks checks tp=4, then tp=2 inside a
+dp=2 x tp=2 mesh.
 """
 
 import pytest
@@ -57,9 +58,8 @@ def _check(mesh, step, name, fn, x, expected_y, grad, expected_grad, fwd_ops, bw
     assert _counts(mesh, step + 1) == bwd_ops, (name, "backward", _counts(mesh, step + 1))
 
 
-def _autograd_ops(tp):
-    mesh = Mesh(tp=tp, timeout_s=60)
-    t, r = tp, mesh.rank("tp")
+def _autograd_ops(mesh):
+    t, r = mesh.size("tp"), mesh.rank("tp")
     X = [_data(100 + i, SHAPE) for i in range(t)]  # rank i's input where inputs differ
     G = [_noncontig(200 + i, SHAPE) for i in range(t)]  # rank i's upstream gradient
     total_x, total_g = sum(X), sum(G)
@@ -132,13 +132,13 @@ def _autograd_ops(tp):
     mesh.ledger.set_step(1000)
     x = X[0].clone().requires_grad_(True)
     ops = [
-        lambda v: copy_to_parallel(v, mesh, "dp"),
-        lambda v: reduce_from_parallel(v, mesh, "dp"),
-        lambda v: scatter_to_parallel(v, mesh, "dp", dim=1),
-        lambda v: gather_from_parallel(v, mesh, "dp", dim=1),
-        lambda v: reduce_scatter_to_sequence(v, mesh, "dp", dim=1),
-        lambda v: gather_from_sequence(v, mesh, "dp", dim=1),
-        lambda v: all_to_all_along(v, mesh, "dp", 0, 1),
+        lambda v: copy_to_parallel(v, mesh, "ep"),
+        lambda v: reduce_from_parallel(v, mesh, "ep"),
+        lambda v: scatter_to_parallel(v, mesh, "ep", dim=1),
+        lambda v: gather_from_parallel(v, mesh, "ep", dim=1),
+        lambda v: reduce_scatter_to_sequence(v, mesh, "ep", dim=1),
+        lambda v: gather_from_sequence(v, mesh, "ep", dim=1),
+        lambda v: all_to_all_along(v, mesh, "ep", 0, 1),
     ]
     for op in ops:
         assert op(x) is x
@@ -154,10 +154,17 @@ def _autograd_ops(tp):
         all_to_all_along(odd, mesh, "tp", 0, 1)
     with pytest.raises(ConfigError, match="out of range"):
         gather_from_parallel(odd, mesh, dim=2)
-    mesh.close()
+    assert all(axis == "tp" for step in mesh.ledger.steps() for _, axis in mesh.ledger.rows(step))
+
+
+def _both_meshes():
+    # tp=4 over the whole world, then tp=2 inside a dp=2 x tp=2 mesh (tp rank != global rank).
+    for shape in (dict(tp=4), dict(dp=2, tp=2)):
+        mesh = Mesh(**shape, timeout_s=60)
+        _autograd_ops(mesh)
+        mesh.close()
     return True
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_every_differentiable_collective(tp):
-    assert all(run_ranks(_autograd_ops, tp, args=(tp,), timeout=120))
+def test_every_differentiable_collective_at_tp_4_and_2():
+    assert all(run_ranks(_both_meshes, 4, timeout=120))
