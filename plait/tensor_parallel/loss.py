@@ -16,7 +16,8 @@ rank's logits is local: softmax_nj - [j is y_n], times the incoming gradient.
 The vocabulary is padded to V' (a multiple of t) so the shards are equal; the padding columns
 j >= V are treated as -inf: they add nothing to S_n, cannot be the max, and get zero gradient.
 Forgetting this is how a vocabulary not divisible by t once shifted Megatron users' loss.
-Logits in half precision are reduced in fp32; the gradient comes back in the logits' dtype.
+Logits in half precision are reduced in fp32 and the loss is fp32 (like plait.models.gpt.cross_entropy);
+the gradient comes back in the logits' dtype.
 """
 
 from __future__ import annotations
