@@ -149,8 +149,9 @@ class CausalSelfAttention(nn.Module):
         self.core = AttentionCore(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        qkv = self.qkv(x)
+        B, T, _ = qkv.shape  # (a sequence-parallel qkv returns more positions than x has)
+        q, k, v = qkv.chunk(3, dim=-1)
         n_head = q.shape[-1] // self.head_dim
         q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = self.core(q, k, v)

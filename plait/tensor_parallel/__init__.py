@@ -4,6 +4,19 @@ al. 2022): column/row-parallel linear layers, the vocab-parallel embedding and c
 The differentiable collectives they are built from live in `plait.comm.autograd`.
 """
 
+from plait.tensor_parallel.apply import (
+    Colwise,
+    ParallelRandom,
+    PositionSharded,
+    Rowwise,
+    SequenceSharded,
+    VocabEmbedding,
+    VocabHead,
+    apply_tp,
+    gpt_plan,
+    tp_named_parameters,
+    without_sequence_parallel,
+)
 from plait.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -16,6 +29,17 @@ from plait.tensor_parallel.layers import (
 from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
 
 __all__ = [
+    "Colwise",
+    "ParallelRandom",
+    "PositionSharded",
+    "Rowwise",
+    "SequenceSharded",
+    "VocabEmbedding",
+    "VocabHead",
+    "apply_tp",
+    "gpt_plan",
+    "tp_named_parameters",
+    "without_sequence_parallel",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",

@@ -93,10 +93,13 @@ class ParallelConfig:
     """How the work is split; the world size is the product pp x dp x ep x tp."""
 
     dp: int = _f(2, "data-parallel degree")
-    tp: int = _f(1, "tensor-parallel degree (issue #4; only 1 for now)")
+    tp: int = _f(1, "tensor-parallel degree (Megatron-LM: heads, MLP and vocabulary split over tp ranks)")
     pp: int = _f(1, "pipeline-parallel degree (issue #5; only 1 for now)")
     ep: int = _f(1, "expert-parallel degree (only 1 for now)")
     bucket_mb: float = _f(25.0, "gradient bucket size in MB for the data-parallel all-reduce")
+    sequence_parallel: bool = _f(
+        False, "with tp > 1: LayerNorm, dropout and residual regions split along the sequence"
+    )
     zero_stage: int = _f(
         0, "ZeRO stage: 0 data parallel, 1 shard optimizer state, 2 + gradients, 3 + parameters (FSDP)"
     )
@@ -302,11 +305,11 @@ def validate(cfg: Config) -> None:
     t, p = cfg.train, cfg.parallel
     for name in ("dp", "tp", "pp", "ep"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-    for name in ("tp", "pp", "ep"):
+    for name in ("pp", "ep"):
         _require(
             getattr(p, name) == 1,
-            f"parallel.{name} = {getattr(p, name)} is not available yet: only data parallelism (parallel.dp) "
-            f"is implemented in this version; set parallel.{name} = 1",
+            f"parallel.{name} = {getattr(p, name)} is not available yet: data (dp) and tensor (tp) "
+            f"parallelism are implemented in this version; set parallel.{name} = 1",
         )
     _require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
     for name in ("steps", "global_batch", "micro_batches", "log_every", "eval_batches", "keep_checkpoints"):
@@ -364,6 +367,29 @@ def validate(cfg: Config) -> None:
     m = model_config(cfg)
     _check_data_fits(cfg, m.seq_len)
     _require(m.n_head % p.tp == 0, f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}")
+    _require(m.ff_dim % p.tp == 0, f"model.d_ff = {m.ff_dim} is not divisible by parallel.tp = {p.tp}")
+    _require(
+        not p.sequence_parallel or m.seq_len % p.tp == 0,
+        f"model.seq_len = {m.seq_len} is not divisible by parallel.tp = {p.tp} (parallel.sequence_parallel)",
+    )
+    _require(
+        not p.sequence_parallel or p.tp > 1,
+        "parallel.sequence_parallel needs parallel.tp > 1 (it splits tensor-parallel regions' neighbours)",
+    )
+    _require(
+        p.tp == 1 or p.zero_stage == 0,
+        f"parallel.tp = {p.tp} with parallel.zero_stage = {p.zero_stage}: ZeRO over a tensor-parallel "
+        "model is not available yet; use zero_stage = 0 (data parallel over dp) with tp",
+    )
+    _require(
+        p.tp == 1 or cfg.model.dropout == 0 or not cfg.train.activation_checkpointing,
+        "tensor parallelism with model.dropout > 0 and train.activation_checkpointing: recomputation "
+        "would replay per-rank dropout masks from the wrong stream; drop one of the two",
+    )
+    _require(
+        p.tp == 1 or cfg.comm.compression == "none",
+        "comm.compression with parallel.tp > 1 is not available; set comm.compression = 'none'",
+    )
     _require(m.n_layer % p.pp == 0, f"model.n_layer = {m.n_layer} is not divisible by parallel.pp = {p.pp}")
 
 

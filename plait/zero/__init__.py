@@ -60,21 +60,55 @@ class Stage0:
         self.raw = module
         self.mesh = mesh
         self.optimizer = factory(param_groups if param_groups is not None else list(module.parameters()))
+        self._tp = "tp" if mesh.size("tp") > 1 else None
+        self._synced = False
 
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.raw.parameters() if p.grad is not None]
+    def _sync_tp(self) -> None:
+        """Once per step under tensor parallelism: sum the partial gradients of replicated
+        parameters applied to sequence shards (sequence parallelism) over tp."""
+        if self._tp and not self._synced:
+            from plait.tensor_parallel import allreduce_sequence_parallel_grads
+
+            allreduce_sequence_parallel_grads(self.raw, self.mesh, self._tp)
+            self._synced = True
 
     def grad_norm(self) -> float:
-        return float(torch.nn.utils.get_total_norm(self._grads()))
+        """The global gradient norm: tp shards summed over tp, replicas counted once."""
+        self._sync_tp()
+        grads = [p.grad for p in self.raw.parameters() if p.grad is not None]
+        if not self._tp:
+            return float(torch.nn.utils.get_total_norm(grads))
+        from plait.tensor_parallel.layers import SHARD_DIM_ATTR
+
+        sharded = [p.grad for p in self.raw.parameters() if p.grad is not None and hasattr(p, SHARD_DIM_ATTR)]
+        replicated = [
+            p.grad for p in self.raw.parameters() if p.grad is not None and not hasattr(p, SHARD_DIM_ATTR)
+        ]
+        sq = torch.zeros(2, dtype=torch.float32, device=self.mesh.device)
+        for i, gs in enumerate((sharded, replicated)):
+            if gs:
+                sq[i] = torch.nn.utils.get_total_norm(gs).float() ** 2
+        from plait import comm
+
+        part = comm.all_reduce(sq[:1].clone(), self.mesh, self._tp)
+        return float((part[0] + sq[1]).sqrt())
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(self.raw.parameters(), max_norm, foreach=True))
+        """Scale the gradients so their global norm is at most `max_norm` (torch's rule)."""
+        if not self._tp:
+            return float(torch.nn.utils.clip_grad_norm_(self.raw.parameters(), max_norm, foreach=True))
+        norm = self.grad_norm()
+        params = [p for p in self.raw.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm), foreach=True)
+        return norm
 
     def step(self) -> None:
+        self._sync_tp()
         self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._synced = False
 
     def no_sync(self):
         return self.module.no_sync()

@@ -1,0 +1,360 @@
+"""`apply_tp`: split a built model over the mesh's tp axis by a plan (Megatron-LM §3).
+
+A plan maps module names (fnmatch patterns, e.g. ``"blocks.*.mlp.fc"``) to styles:
+
+* `Colwise(fused=1)`: an nn.Linear becomes a `ColumnParallelLinear`. ``fused=k`` says the
+  output features are k blocks laid end to end (GPT's qkv: ``[q | k | v]``): each rank then takes
+  its slice of *each* block, so it holds whole heads of q, k and v.
+* `Rowwise()`: an nn.Linear becomes a `RowParallelLinear` (its input arrives split).
+* `VocabEmbedding()`: an nn.Embedding becomes a `VocabParallelEmbedding`.
+* `VocabHead(tie="wte")`: the output layer becomes column-parallel over the (padded) vocabulary,
+  sharing the embedding's shard when the weights are tied; the model's loss becomes the
+  vocab-parallel cross-entropy (the logits are never gathered) and the logits it returns without
+  targets are gathered.
+* `ParallelRandom()`: a parameter-free module (dropout, attention core) whose randomness must
+  differ across tp ranks: it runs on the per-rank stream of `ParallelRNG`.
+* `SequenceSharded()` (sequence parallelism only): a module applied to sequence shards whose
+  parameters stay replicated (LayerNorm): its parameters get partial gradients, summed over tp.
+
+`gpt_plan(sequence_parallel)` is the plan of plait's GPT. Any model built from Linear and
+Embedding layers can be split with a plan of its own, like torch's ``parallelize_module``.
+
+Sharded parameters keep enough metadata (`_plait_tp_shard_dim`, `_plait_tp_fused`,
+`_plait_tp_full`) to be put back together in canonical order (`canonical_chunks`): checkpoints
+save them as chunks of the whole tensor, so DCP can reshard them to another tp degree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import functools
+
+import torch
+from torch import nn
+
+from plait.comm.autograd import gather_from_parallel
+from plait.errors import ConfigError
+from plait.mesh import Mesh
+from plait.tensor_parallel.layers import (
+    SEQUENCE_PARALLEL_ATTR,
+    SHARD_DIM_ATTR,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
+from plait.tensor_parallel.rng import ParallelRNG, run_on_parallel_stream
+
+FUSED_ATTR = "_plait_tp_fused"  # the sharded dim holds this many blocks, each split over tp
+FULL_ATTR = "_plait_tp_full"  # the canonical (unpadded) length of the sharded dim
+
+
+@dataclasses.dataclass
+class _Ctx:
+    mesh: Mesh
+    axis: str
+    sequence_parallel: bool
+    seq_dim: int
+    rng: ParallelRNG
+    model: nn.Module
+
+
+@dataclasses.dataclass
+class Colwise:
+    fused: int = 1
+    gather_output: bool = False
+
+    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+        _expect(name, m, nn.Linear, self)
+        t = ctx.mesh.size(ctx.axis)
+        w, b = m.weight.detach(), None if m.bias is None else m.bias.detach()
+        if m.out_features % (self.fused * t):
+            raise ConfigError(
+                f"{name}: {m.out_features} output features in {self.fused} block(s) do not split over "
+                f"tp = {t}: each block must be divisible by tp (for attention: heads by tp)"
+            )
+        if self.fused > 1:  # [q | k | v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: contiguous per rank
+            order = _fused_order(m.out_features, self.fused, t)
+            w, b = w[order], None if b is None else b[order]
+        new = ColumnParallelLinear(
+            m.in_features,
+            m.out_features,
+            ctx.mesh,
+            ctx.axis,
+            bias=b is not None,
+            gather_output=self.gather_output,
+            sequence_parallel=ctx.sequence_parallel,
+            seq_dim=ctx.seq_dim,
+            full_weight=w,
+            full_bias=b,
+        )
+        for p in new.parameters():
+            setattr(p, FUSED_ATTR, self.fused)
+            setattr(p, FULL_ATTR, m.out_features)
+        return new
+
+
+@dataclasses.dataclass
+class Rowwise:
+    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+        _expect(name, m, nn.Linear, self)
+        t = ctx.mesh.size(ctx.axis)
+        if m.in_features % t:
+            raise ConfigError(f"{name}: in_features = {m.in_features} is not divisible by tp = {t}")
+        new = RowParallelLinear.from_linear(
+            m, ctx.mesh, ctx.axis, sequence_parallel=ctx.sequence_parallel, seq_dim=ctx.seq_dim
+        )
+        setattr(new.weight, FULL_ATTR, m.in_features)
+        return new
+
+
+@dataclasses.dataclass
+class VocabEmbedding:
+    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+        _expect(name, m, nn.Embedding, self)
+        new = VocabParallelEmbedding.from_embedding(
+            m, ctx.mesh, ctx.axis, sequence_parallel=ctx.sequence_parallel, seq_dim=ctx.seq_dim
+        )
+        setattr(new.weight, FULL_ATTR, m.num_embeddings)
+        return new
+
+
+@dataclasses.dataclass
+class VocabHead:
+    tie: str | None = None  # the VocabEmbedding module whose shard this head shares
+
+    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+        _expect(name, m, nn.Linear, self)
+        t = ctx.mesh.size(ctx.axis)
+        vocab = m.out_features
+        padded = -(-vocab // t) * t
+        tied = ctx.model.get_submodule(self.tie) if self.tie else None
+        full = torch.zeros(padded, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
+        if tied is None:
+            full[:vocab] = m.weight.detach()
+        new = ColumnParallelLinear(
+            m.in_features,
+            padded,
+            ctx.mesh,
+            ctx.axis,
+            bias=False,
+            sequence_parallel=ctx.sequence_parallel,
+            seq_dim=ctx.seq_dim,
+            full_weight=full,
+        )
+        if m.bias is not None:
+            raise ConfigError(f"{name}: a vocabulary head with a bias is not supported")
+        if tied is not None:
+            if not isinstance(tied, VocabParallelEmbedding):
+                raise ConfigError(f"{name}: tie={self.tie!r} must name a module split with VocabEmbedding()")
+            new.weight = tied.weight
+        else:
+            setattr(new.weight, FULL_ATTR, vocab)
+        model = ctx.model
+        model.loss_fn = functools.partial(_tp_loss, mesh=ctx.mesh, axis=ctx.axis, vocab=vocab)
+        model.output_fn = functools.partial(_tp_logits, mesh=ctx.mesh, axis=ctx.axis, vocab=vocab)
+        return new
+
+
+@dataclasses.dataclass
+class ParallelRandom:
+    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+        if any(True for _ in m.parameters(recurse=False)):
+            raise ConfigError(f"{name}: ParallelRandom is for parameter-free modules (dropout, attention)")
+        run_on_parallel_stream(m, ctx.rng)
+        return m
+
+
+@dataclasses.dataclass
+class SequenceSharded:
+    """Parameters stay whole; with sequence parallelism their gradients are partial (summed
+    over tp by the trainer); its dropouts draw per-rank masks."""
+
+    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+        if ctx.sequence_parallel:
+            for p in m.parameters():
+                setattr(p, SEQUENCE_PARALLEL_ATTR, True)
+            if isinstance(m, nn.Dropout):
+                run_on_parallel_stream(m, ctx.rng)
+        return m
+
+
+class PositionShard(nn.Module):
+    """A position embedding that returns the rows of this rank's sequence slice (sequence
+    parallelism: the residual stream it is added to is split along the sequence)."""
+
+    def __init__(self, emb: nn.Embedding, mesh: Mesh, axis: str):
+        super().__init__()
+        self.weight = emb.weight
+        setattr(self.weight, SEQUENCE_PARALLEL_ATTR, True)
+        self.mesh, self.axis = mesh, axis
+
+    sequence_parallel = True
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return nn.functional.embedding(pos, self.weight)
+        t, r = self.mesh.size(self.axis), self.mesh.rank(self.axis)
+        n = pos.shape[0]
+        if n % t:
+            raise ConfigError(f"sequence parallelism: {n} positions do not split over tp = {t}")
+        return nn.functional.embedding(pos[r * n // t : (r + 1) * n // t], self.weight)
+
+
+@dataclasses.dataclass
+class PositionSharded:
+    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+        _expect(name, m, nn.Embedding, self)
+        return PositionShard(m, ctx.mesh, ctx.axis) if ctx.sequence_parallel else m
+
+
+def _expect(name: str, m: nn.Module, kind: type, style) -> None:
+    if not isinstance(m, kind):
+        raise ConfigError(f"plan: {name} is a {type(m).__name__}, but {style} expects an nn.{kind.__name__}")
+
+
+def _fused_order(out: int, fused: int, t: int) -> torch.Tensor:
+    """Row order putting each rank's slice of every block together."""
+    block, per = out // fused, out // fused // t
+    return torch.tensor([j * block + r * per + i for r in range(t) for j in range(fused) for i in range(per)])
+
+
+def _tp_loss(logits, targets, reduction="mean", *, mesh, axis, vocab):
+    flat = logits.reshape(-1, logits.shape[-1])
+    return vocab_parallel_cross_entropy(
+        flat, targets.reshape(-1), mesh, axis, vocab_size=vocab, reduction=reduction
+    )
+
+
+def _tp_logits(logits, *, mesh, axis, vocab):
+    return gather_from_parallel(logits, mesh, axis, dim=-1)[..., :vocab]
+
+
+def gpt_plan(sequence_parallel: bool = False) -> dict:
+    """Megatron-LM's split of plait's GPT: heads (qkv column, projection row), MLP (column then
+    row), vocabulary-parallel embedding and tied head; with sequence parallelism the LayerNorms,
+    dropouts and position embedding work on sequence shards."""
+    plan = {
+        "wte": VocabEmbedding(),
+        "wpe": PositionSharded(),
+        "drop": SequenceSharded(),
+        "blocks.*.ln_1": SequenceSharded(),
+        "blocks.*.attn.qkv": Colwise(fused=3),
+        "blocks.*.attn.core": ParallelRandom(),
+        "blocks.*.attn.proj": Rowwise(),
+        "blocks.*.attn.resid_dropout": SequenceSharded(),
+        "blocks.*.ln_2": SequenceSharded(),
+        "blocks.*.mlp.fc": Colwise(),
+        "blocks.*.mlp.proj": Rowwise(),
+        "blocks.*.mlp.dropout": SequenceSharded(),
+        "ln_f": SequenceSharded(),
+        "lm_head": VocabHead(tie="wte"),
+    }
+    return plan
+
+
+def apply_tp(
+    model: nn.Module,
+    mesh: Mesh,
+    plan: dict | None = None,
+    axis: str = "tp",
+    sequence_parallel: bool = False,
+    seq_dim: int = 1,
+    seed: int = 0,
+) -> nn.Module:
+    """Split `model` (identical on every rank of `axis`) over `axis` by `plan`, in place.
+
+    `plan` defaults to `gpt_plan(sequence_parallel)`; an untied GPT head is detected. Modules are
+    replaced in plan order (the embedding before a head tied to it). `seed` seeds the per-rank
+    random stream (`ParallelRNG`) used by `ParallelRandom` and sharded dropouts. Returns `model`.
+    """
+    if plan is None:
+        plan = gpt_plan(sequence_parallel)
+        tied = getattr(getattr(model, "cfg", None), "tie_weights", True)
+        if not tied:
+            plan["lm_head"] = VocabHead(tie=None)
+    rng = ParallelRNG(seed, mesh.rank(axis), mesh.device)
+    ctx = _Ctx(mesh, axis, sequence_parallel, seq_dim, rng, model)
+    names = [n for n, _ in model.named_modules() if n]
+    for pattern, style in plan.items():
+        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            raise ConfigError(f"plan pattern {pattern!r} matches no module of {type(model).__name__}")
+        for name in matched:
+            old = model.get_submodule(name)
+            new = style.apply(name, old, ctx)
+            if new is not old:
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, new)
+    model._plait_tp = (mesh, axis, rng)
+    return model
+
+
+@contextlib.contextmanager
+def without_sequence_parallel(model: nn.Module):
+    """Run `model` with sequence parallelism switched off (the same function, computed on
+    whole sequences): for inference on lengths not divisible by tp, e.g. sampling."""
+    switched = [m for m in model.modules() if getattr(m, "sequence_parallel", False) is True]
+    for m in switched:
+        m.sequence_parallel = False
+    try:
+        yield model
+    finally:
+        for m in switched:
+            m.sequence_parallel = True
+
+
+def canonical_chunks(p: torch.Tensor, mesh: Mesh, axis: str = "tp") -> tuple[torch.Size, list]:
+    """Where this rank's shard `p` sits in the whole (canonical, unpadded) tensor.
+
+    Returns (full shape, [(offsets, local view), ...]); a replicated tensor is one chunk at 0."""
+    dim = getattr(p, SHARD_DIM_ATTR, None)
+    if dim is None or mesh.size(axis) == 1:
+        return p.shape, [((0,) * p.dim(), p)]
+    t, r = mesh.size(axis), mesh.rank(axis)
+    fused = getattr(p, FUSED_ATTR, 1)
+    full = getattr(p, FULL_ATTR, p.shape[dim] * t)
+    local = p.shape[dim]
+    per = local // fused  # rows of each block on this rank
+    shape = list(p.shape)
+    shape[dim] = full
+    chunks = []
+    for j in range(fused):
+        start = j * (full // fused) + r * per
+        length = min(per, max(0, (j + 1) * (full // fused) - start)) if fused > 1 else min(per, full - start)
+        if length <= 0:
+            continue
+        offsets = [0] * p.dim()
+        offsets[dim] = start
+        chunks.append((tuple(offsets), p.narrow(dim, j * per, length)))
+    return torch.Size(shape), chunks
+
+
+@torch.no_grad()
+def gather_full(p: torch.Tensor, mesh: Mesh, axis: str = "tp") -> torch.Tensor:
+    """The whole canonical tensor of shard `p` (collective over `axis`), on the CPU."""
+    from plait import comm
+
+    shape, _ = canonical_chunks(p, mesh, axis)
+    if getattr(p, SHARD_DIM_ATTR, None) is None or mesh.size(axis) == 1:
+        return p.detach().cpu().clone()
+    t = mesh.size(axis)
+    dim = getattr(p, SHARD_DIM_ATTR)
+    moved = p.detach().movedim(dim, 0).contiguous()
+    out = torch.empty((t * moved.shape[0], *moved.shape[1:]), dtype=p.dtype, device=p.device)
+    comm.all_gather(out, moved, mesh, axis)
+    # the gathered rows, rank-major, of each rank's fused blocks -> canonical order; drop padding
+    fused = getattr(p, FUSED_ATTR, 1)
+    if fused > 1:
+        inverse = torch.argsort(_fused_order(out.shape[0], fused, t))
+        out = out[inverse]
+    out = out[: shape[dim]]
+    return out.movedim(0, dim).cpu().clone()
+
+
+def tp_named_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of a tp-split model, whole and in canonical order (collective)."""
+    mesh, axis, _ = model._plait_tp
+    return {n: gather_full(p, mesh, axis) for n, p in model.named_parameters()}

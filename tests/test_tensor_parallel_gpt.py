@@ -1,0 +1,206 @@
+"""apply_tp on plait's GPT: parity with one process (tp=2, tp=4, dp=2 x tp=2, with and without
+sequence parallelism), the ledger per transformer layer, RNG streams, bad input."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait.errors import ConfigError
+from plait.models import GPT, gpt_config
+from plait.optim import param_groups
+from plait.testing import assert_close_losses, assert_close_params, run_ranks, state_of
+from plait.train.config import load_config
+
+STEPS = 20
+BATCH = 8
+# 4 heads so that tp = 4 splits them; a vocabulary of 250, not divisible by 4: the padding
+# must not change anything
+CFG = dict(n_head=4, vocab_size=250)
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny", **CFG))
+
+
+def _opt(groups):
+    return torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.1, eps=1e-5)
+
+
+def _batches():
+    g = torch.Generator().manual_seed(3)
+    return [
+        (torch.randint(0, 250, (BATCH, 32), generator=g), torch.randint(0, 250, (BATCH, 32), generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def _reference():
+    model = _model()
+    opt = _opt(param_groups(model, 0.1))
+    losses = []
+    for x, y in _batches():
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, state_of(model)
+
+
+def _train(dp, tp, sp):
+    from plait.mesh import Mesh
+    from plait.tensor_parallel import apply_tp, tp_named_parameters, without_sequence_parallel
+    from plait.zero import wrap
+
+    mesh = Mesh(dp=dp, tp=tp, timeout_s=120)
+    model = apply_tp(_model(), mesh, sequence_parallel=sp)
+    engine = wrap(model, mesh, 0, _opt, param_groups=param_groups(model, 0.1))
+    r = mesh.rank("dp")
+    losses = []
+    for x, y in _batches():
+        rows = BATCH // dp
+        loss = engine.module(x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows])
+        loss.backward()
+        engine.clip_grad_norm_(0.5)
+        engine.step()
+        engine.zero_grad()
+        t = loss.detach().reshape(1).clone()
+        dist.all_reduce(t)  # every tp rank holds the same loss: average over the world
+        losses.append(float(t) / (dp * tp))
+    params = tp_named_parameters(model)
+    with without_sequence_parallel(model):  # 3, 4, ... positions do not split over tp
+        text = model.generate(torch.tensor([[1, 2, 3]]), 5, temperature=0)  # gathered logits
+    engine.close()
+    mesh.close()
+    return {"losses": losses, "params": params, "generated": text.tolist()}
+
+
+def _ledger(tp, sp):
+    """Forward and backward traffic of one micro-batch through 1 and 2 transformer layers."""
+    from plait.mesh import Mesh
+    from plait.tensor_parallel import apply_tp
+
+    mesh = Mesh(tp=tp, timeout_s=120)
+    out = {}
+    for n_layer in (1, 2):
+        torch.manual_seed(0)
+        model = apply_tp(GPT(gpt_config("tiny", n_layer=n_layer, **CFG)), mesh, sequence_parallel=sp)
+        x = torch.randint(0, 250, (BATCH, 32))
+        mesh.ledger.clear()
+        mesh.ledger.set_step(1)
+        loss = model(x, x)
+        mesh.ledger.set_step(2)
+        loss.backward()
+        out[n_layer] = {
+            phase: {op: (row.count, row.bus_bytes) for (op, _), row in mesh.ledger.rows(step).items()}
+            for phase, step in (("fwd", 1), ("bwd", 2))
+        }
+    mesh.close()
+    return out
+
+
+def _all_2():
+    return {"tp2": _train(1, 2, False), "tp2-sp": _train(1, 2, True), "ledger2": _ledger(2, False)}
+
+
+def _all_4():
+    return {
+        "tp4": _train(1, 4, False),
+        "tp4-sp": _train(1, 4, True),
+        "dp2-tp2": _train(2, 2, False),
+        "dp2-tp2-sp": _train(2, 2, True),
+        "ledger4": _ledger(4, False),
+        "ledger4-sp": _ledger(4, True),
+    }
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = run_ranks(_all_2, 2, timeout=300)[0]
+    out.update(run_ranks(_all_4, 4, timeout=600)[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2-sp", "tp4", "tp4-sp", "dp2-tp2", "dp2-tp2-sp"])
+def test_gpt_parity_with_one_process(results, reference, name):
+    losses, params = reference
+    res = results[name]
+    assert_close_losses(res["losses"], losses, atol=1e-5, what=name)
+    assert_close_params(res["params"], params, atol=1e-5, what=name)
+    model = _model()
+    model.load_state_dict({**params, "lm_head.weight": params["wte.weight"]})  # tied
+    want = model.generate(torch.tensor([[1, 2, 3]]), 5, temperature=0).tolist()
+    assert res["generated"] == want
+
+
+@pytest.mark.parametrize("key, t", [("ledger2", 2), ("ledger4", 4), ("ledger4-sp", 4)])
+def test_ledger_per_layer(results, key, t):
+    """Per layer: 2 all-reduces forward and 2 backward (without SP), or the same volume as
+    all-gather/reduce-scatter pairs (with SP): 8·b·s·h·(t-1)/t elements per micro-batch."""
+    led = results[key]
+    b, s, h = BATCH, 32, 32
+    per_layer_elems = 0.0
+    for phase in ("fwd", "bwd"):
+        one, two = led[1][phase], led[2][phase]
+        diff = {op: (two[op][0] - one.get(op, (0, 0))[0], two[op][1] - one.get(op, (0, 0))[1]) for op in two}
+        diff = {op: v for op, v in diff.items() if v[0]}
+        if key.endswith("-sp"):
+            assert {op: c for op, (c, _) in diff.items()} == {"all_gather": 2, "reduce_scatter": 2}, diff
+        else:
+            assert {op: c for op, (c, _) in diff.items()} == {"all_reduce": 2}, diff
+        per_layer_elems += sum(bus for _, bus in diff.values()) / 4
+    assert per_layer_elems == pytest.approx(8 * b * s * h * (t - 1) / t)
+
+
+def test_rng_streams_differ_across_tp_ranks_only_where_split():
+    out = run_ranks(_rng_check, 2, timeout=120)
+    inside = [o["inside"] for o in out]
+    outside = [o["outside"] for o in out]
+    assert not torch.equal(inside[0], inside[1])  # split activations: per-rank masks
+    assert torch.equal(outside[0], outside[1])  # replicated activations: the same mask
+
+
+def _rng_check():
+    from plait.tensor_parallel.rng import ParallelRNG
+
+    torch.manual_seed(5)  # the same default stream on both ranks
+    rng = ParallelRNG(seed=5, tp_rank=dist.get_rank())
+    x = torch.ones(1000)
+    with rng.fork():
+        inside = torch.nn.functional.dropout(x, 0.5)
+    outside = torch.nn.functional.dropout(x, 0.5)
+    return {"inside": inside, "outside": outside}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [("parallel.tp", "3"), ("parallel.dp", "1")],
+            "model.n_head = 4 is not divisible by parallel.tp = 3",
+        ),
+        (
+            [("parallel.tp", "4"), ("parallel.dp", "1"), ("model.d_ff", "130")],
+            "model.d_ff = 130 is not divisible by parallel.tp = 4",
+        ),
+        (
+            [
+                ("parallel.tp", "2"),
+                ("parallel.dp", "1"),
+                ("parallel.sequence_parallel", "true"),
+                ("model.seq_len", "33"),
+            ],
+            "model.seq_len = 33 is not divisible by parallel.tp = 2",
+        ),
+    ],
+)
+def test_bad_tp_config_is_rejected_before_start(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
