@@ -29,14 +29,14 @@ processes), so the list runs twice by default, the second time in reverse order:
 mean position in time is then the same, which cancels a steady drift of the machine's load. The
 "other load" column measures what drift there was (see `markdown`).
 
-DeepSpeed is never a dependency of plait. The script creates its own venv (default
-~/.cache/plait-bench/deepspeed-venv, reused once it works), installs torch==2.13.0 (the local CPU
-wheel) and then `DS_BUILD_OPS=0 pip install deepspeed` under a constraints file that pins torch,
-and runs the DeepSpeed jobs with that venv's python: this same file, `--ds-worker`, which spawns
-the ranks with `run_ranks` and writes its results as JSON. DeepSpeed runs with its CPU
-accelerator (DS_ACCELERATOR=cpu), the gloo backend, and torch's AdamW as a client optimizer
-(its fused CPU Adam is a compiled op, not built with DS_BUILD_OPS=0). If the install or a run
-fails, its rows say why and the script carries on.
+DeepSpeed is never a dependency of plait: `deepspeed_env.ensure_deepspeed` installs it into a
+venv of its own (torch==2.13.0 first, then `DS_BUILD_OPS=0 pip install deepspeed`, torch pinned;
+~/.cache/plait-bench/deepspeed-venv, reused once it works), and the DeepSpeed jobs run with that
+venv's python: this same file with `--ds-worker`, which spawns the ranks with `run_ranks` and
+hands its results back as JSON. DeepSpeed runs with its CPU accelerator (DS_ACCELERATOR=cpu), the
+gloo backend, torch's AdamW as its client optimizer (DeepSpeed's CPU Adam is a compiled op, not
+built with DS_BUILD_OPS=0) and gradient clipping off (its default clips at norm 1.0; no other
+setup clips). If the install or a run fails, its rows say why and the script carries on.
 
 Run from the repository root:  .venv/bin/python benchmarks/zero.py [--model 3m] [--steps 10]
 [--rounds 2] [--setups ...] [--no-deepspeed] [--quick]. Prints the table and writes it to
@@ -46,6 +46,7 @@ benchmarks/results/zero.md (not with --quick, unless --out is given).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -68,17 +69,16 @@ from _common import (
     text_table,
     timed_step,
 )
+from deepspeed_env import DS_VENV, ensure_deepspeed, last_lines
 
 WORLD = 2
 SEED = 0
 N_BATCHES = 4  # distinct global batches, cycled
 LR, WEIGHT_DECAY = 3e-4, 0.1
 BUCKET_MB = 25.0  # plait bucket_mb, DDP bucket_cap_mb, DeepSpeed bucket sizes (as fp32 elements)
-TORCH_PIN = "torch==2.13.0"
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results" / "zero.md"
-DS_VENV = Path.home() / ".cache" / "plait-bench" / "deepspeed-venv"
 
 # key: (label, stage, family). Order = run order and table order.
 SETUPS = {
@@ -266,9 +266,13 @@ def setup_job(key: str, model_name: str, rows: int, seq_len: int, steps: int, wa
     # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over fork + exec, so a spawned
     # rank would report the launching process's peak whenever that is the larger one.
     peak = _status_bytes("VmHWM")
-    # Every rank's figures, gathered so that rank 0's result carries them all.
-    ranks = [None] * WORLD
-    dist.all_gather_object(ranks, (rss_start, peak, losses, own))
+    # Every rank's figures, gathered so that rank 0's result carries them all. (A tensor gather:
+    # all_gather_object occasionally made a rank abort at exit with "terminate called without
+    # an active exception".)
+    figures = torch.tensor([rss_start, peak, own, *losses], dtype=torch.float64)
+    gathered = [torch.empty_like(figures) for _ in range(WORLD)]
+    dist.all_gather(gathered, figures)
+    ranks = [(int(g[0]), int(g[1]), g[3:].tolist(), float(g[2])) for g in gathered]
     out = {
         "params": n_params,
         "times": max_over_ranks(times),
@@ -282,6 +286,11 @@ def setup_job(key: str, model_name: str, rows: int, seq_len: int, steps: int, wa
         "memory": memory(),
     }
     close()
+    # Drop the wrappers (DDP's reducer and FSDP hold the process group) while Python is still
+    # fully alive: otherwise the group can outlive destroy_process_group() and a gloo worker
+    # thread may free its last work during interpreter shutdown, which aborts the rank.
+    del step, memory, close, model
+    gc.collect()
     return out
 
 
@@ -301,59 +310,6 @@ def _run_local(key: str, args) -> dict:
 # --- DeepSpeed: its own venv, a worker run with its python ----------------------------------------
 
 
-def _tail(text: str, n: int = 1) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return " / ".join(lines[-n:]) if lines else "no output"
-
-
-def ensure_deepspeed(venv: Path) -> tuple[Path | None, str]:
-    """(python of a venv where `import deepspeed` works with torch 2.13.0, its version) or (None, why)."""
-    python = venv / "bin" / "python"
-    marker = venv / ".plait-bench-ok"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0"}
-    check = "import json, torch, deepspeed; print(json.dumps([torch.__version__, deepspeed.__version__]))"
-
-    def probe() -> tuple[bool, str]:
-        r = subprocess.run([str(python), "-c", check], capture_output=True, text=True, env=env)
-        if r.returncode != 0:
-            return False, f"import deepspeed failed: {_tail(r.stderr)}"
-        torch_v, ds_v = json.loads(r.stdout.strip().splitlines()[-1])
-        if not torch_v.startswith(TORCH_PIN.split("==")[1]):
-            return False, f"the DeepSpeed venv has torch {torch_v}, not {TORCH_PIN}"
-        return True, f"deepspeed {ds_v}, torch {torch_v}"
-
-    if marker.exists() and python.exists():
-        ok, what = probe()
-        if ok:
-            return python, what
-        print(f"DeepSpeed venv at {venv} no longer works ({what}); reinstalling", flush=True)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    log = venv.parent / "deepspeed-install.log"
-    constraints = venv.parent / "deepspeed-constraints.txt"
-    constraints.write_text(TORCH_PIN + "\n")
-    steps = [
-        ("create the venv", [sys.executable, "-m", "venv", "--clear", str(venv)]),
-        (f"install {TORCH_PIN}", [str(python), "-m", "pip", "install", "-c", str(constraints), TORCH_PIN]),
-        ("DS_BUILD_OPS=0 pip install deepspeed",
-         [str(python), "-m", "pip", "install", "-c", str(constraints), "deepspeed"]),
-    ]  # fmt: skip
-    with open(log, "w") as fh:
-        for i, (what, cmd) in enumerate(steps, 1):
-            print(f"  DeepSpeed install [{i}/{len(steps)}] {what} (log: {log})", flush=True)
-            t0 = time.perf_counter()
-            fh.write(f"$ {' '.join(cmd)}\n")
-            fh.flush()
-            r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-            print(f"    ... {'done' if r.returncode == 0 else 'FAILED'} in {time.perf_counter() - t0:.0f} s")
-            if r.returncode != 0:
-                return None, f"{what} failed (exit {r.returncode}): {_tail(log.read_text(), 1)}"
-    ok, what = probe()
-    if not ok:
-        return None, what
-    marker.write_text(what + "\n")
-    return python, what
-
-
 def _run_deepspeed(python: Path, key: str, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="plait-zero-ds-") as tmp:
         out = Path(tmp) / "result.json"
@@ -371,7 +327,7 @@ def _run_deepspeed(python: Path, key: str, args) -> dict:
         if r.returncode != 0 or not out.exists():
             # run_ranks' error names the failing rank and ends with its exception
             errors = [line for line in r.stderr.splitlines() if "Error" in line or "error" in line]
-            raise RuntimeError(errors[-1].strip() if errors else _tail(r.stderr))
+            raise RuntimeError(errors[-1].strip() if errors else last_lines(r.stderr))
         return json.loads(out.read_text())
 
 
@@ -405,6 +361,8 @@ def table_rows(results: dict) -> list[list[str]]:
             rows.append([str(stage), label, r["error"], "", "", "", "", ""])
             continue
         t = r["times"]
+        if r.get("failed_rounds"):
+            label += f" ({r['failed_rounds']} round(s) failed: {r['round_error']})"
         growth = [p - s for p, s in zip(r["peak_rss"], r["rss_start"])]
         diff = f"{max(abs(a - b) for a, b in zip(r['losses'], ref)):.1e}" if ref else "-"
         rows.append([
@@ -439,7 +397,7 @@ def verdict_rows(results: dict) -> list[list[str]]:
             if p not in results:
                 cells.append(f"{SETUPS[p][0]}: not run")
             elif not ok(p):
-                cells.append(f"{SETUPS[p][0]}: -")
+                cells.append(f"{SETUPS[p][0]}: {results[p]['error'].split(':')[0]}")
             else:
                 measured[p] = median_ms(results[p]["times"])
                 ratio = f" ({t_plait / measured[p]:.2f})" if t_plait else ""
@@ -525,9 +483,13 @@ def markdown(results: dict, info: dict, extra: dict, args, runtime_s: float) -> 
 
 
 def _merge(a: dict, b: dict) -> dict:
-    """Two rounds of one setup: concatenate the measured steps, keep the larger peaks."""
+    """Two rounds of one setup: concatenate the measured steps, keep the larger peaks. A failed
+    round is counted (and shown), not allowed to discard a good one."""
     if "error" in a or "error" in b:
-        return a if "error" in a else b
+        if "error" in a and "error" in b:
+            return a
+        good, bad = (b, a) if "error" in a else (a, b)
+        return {**good, "failed_rounds": good.get("failed_rounds", 0) + 1, "round_error": bad["error"]}
     out = dict(a)
     out["times"] = a["times"] + b["times"]
     out["peak_rss"] = [max(x, y) for x, y in zip(a["peak_rss"], b["peak_rss"])]
