@@ -79,8 +79,16 @@ def _train(argv: list[str]) -> int:
 
 
 # Checkpoints are saved layout-free (plait.zero.state): a run may resume on another dp degree,
-# ZeRO stage, hybrid group or bucket size, and DCP reads the shards the new layout needs.
-RESHARDABLE = ("parallel.dp", "parallel.zero_stage", "parallel.hybrid_shard", "parallel.bucket_mb")
+# tensor-parallel degree, ZeRO stage, hybrid group or bucket size, and DCP reads the shards the new
+# layout needs.
+RESHARDABLE = (
+    "parallel.dp",
+    "parallel.tp",
+    "parallel.sequence_parallel",
+    "parallel.zero_stage",
+    "parallel.hybrid_shard",
+    "parallel.bucket_mb",
+)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -29,6 +29,7 @@ from plait.mesh import Mesh, init_distributed
 from plait.models import GPT, gpt_train_flops_per_token
 from plait.optim import allreduce_norms, param_groups
 from plait.optim import build_optimizer as make_optimizer
+from plait.tensor_parallel import apply_tp, without_sequence_parallel
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.train.config import Config, model_config
 from plait.train.metrics import MetricsWriter, peak_memory_bytes, plot_loss_curve, read_metrics
@@ -90,8 +91,11 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path):
 def describe_engine(cfg: Config, engine) -> str:
     """One line: the sharding and the mixed-precision policy (printed at start-up)."""
     p, o = cfg.parallel, cfg.offload
+    tp = ""
+    if p.tp > 1:
+        tp = f"tensor parallel over {p.tp}" + (" + sequence parallel" if p.sequence_parallel else "") + ", "
     if p.zero_stage == 0:
-        what = f"data parallel, {len(engine.module.buckets)} gradient bucket(s)"
+        what = f"{tp}data parallel over {p.dp}, {len(engine.module.buckets)} gradient bucket(s)"
         precision = "bf16 autocast, fp32 parameters" if cfg.train.bf16 else "fp32"
     else:
         what = f"ZeRO stage {p.zero_stage}"
@@ -211,6 +215,13 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     torch.manual_seed(t.seed)  # identical initialisation on every rank (DataParallel broadcasts anyway)
     raw = GPT(mcfg).to(device)
     n_params = sum(q.numel() for q in raw.parameters())
+    if cfg.parallel.tp > 1:  # Megatron-LM's split; the per-tp-rank stream differs per dp replica too
+        apply_tp(
+            raw,
+            mesh,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            seed=t.seed + 1000 * (1 + mesh.rank("dp")),
+        )
     if t.activation_checkpointing:
         apply_activation_checkpointing(raw)
     engine = build_engine(raw, cfg, mesh, run_dir)
@@ -218,7 +229,9 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr / t.lr)
     )
-    torch.manual_seed(t.seed + 1 + mesh.global_rank)  # dropout streams differ per rank
+    # dropout streams differ per data-parallel replica; tensor-parallel peers share theirs, as
+    # they must for dropout on replicated activations (split ones use apply_tp's own stream)
+    torch.manual_seed(t.seed + 1 + mesh.rank("dp"))
 
     start = 0
     if resume:
@@ -394,7 +407,8 @@ def _finish(
         # every rank generates: under ZeRO-3 each forward gathers parameters from all of them
         prompt = corpus.encode("The ").unsqueeze(0).to(mesh.device)
         gen = torch.Generator(device=mesh.device).manual_seed(cfg.train.seed)
-        out = raw.generate(prompt, cfg.train.sample_tokens, temperature=0.8, top_k=40, generator=gen)
+        with without_sequence_parallel(raw):  # growing lengths do not split over tp
+            out = raw.generate(prompt, cfg.train.sample_tokens, temperature=0.8, top_k=40, generator=gen)
         sample = corpus.decode(out[0].cpu())
     if not mesh.is_rank0:
         return summary

@@ -1,35 +1,76 @@
 """Checkpoint state of a sharded model and optimizer, in a layout-free form DCP can reshard.
 
-Every parameter is saved as one 1-D tensor of its element count, keyed by its name; every
-optimizer state of the same size likewise (`<name>.<key>`, e.g. `blocks.0.mlp.fc.weight.exp_avg`);
-scalar states (Adam's `step`) as 0-dim tensors. Under ZeRO each rank contributes only the
-segments it owns (1-D ShardedTensor chunks at their offsets), so nothing is gathered to save,
-and torch.distributed.checkpoint reads back whatever segments the *loading* layout owns: a
-checkpoint of ZeRO-3 on 2 ranks loads into ZeRO-3 on 4 ranks, into ZeRO-1, or into one process
-with plain tensors. Parameter-group options (learning rate, ...) are returned separately as JSON.
+Every parameter is saved as one tensor keyed by its name, in its own shape (tensors of more
+than 2 dims as 2-D: `saved_shape`); every optimizer state of the same size likewise
+(`<name>.<key>`, e.g. `blocks.0.mlp.fc.weight.exp_avg`); scalar states (Adam's `step`) as 0-dim
+tensors. A rank that holds part of a tensor contributes only its part, as boxes of the whole
+(ShardedTensor chunks): a ZeRO shard's flat range of a parameter is at most three boxes
+(`range_boxes`), a tensor-parallel slice is one box per fused block. Nothing is gathered to save,
+and torch.distributed.checkpoint reads back whatever boxes the *loading* layout needs: a
+checkpoint of ZeRO-3 on 2 ranks loads into ZeRO-3 on 4 ranks, into ZeRO-1, into tensor
+parallelism or into one process with plain tensors. Parameter-group options (learning rate, ...)
+are returned separately as JSON.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from plait.errors import CheckpointError
+from plait.tensor_parallel.apply import canonical_chunks
+from plait.tensor_parallel.layers import SHARD_DIM_ATTR
 from plait.zero.sharded import ShardedOptimizer
 
 
-def _chunked(local: torch.Tensor, offset: int, total: int, group):
-    """`local` as the chunk at `offset` of a 1-D tensor of `total` elements split over `group`."""
+def saved_shape(shape: torch.Size) -> torch.Size:
+    """The shape a tensor is saved in: as is up to 2-D, else (all but the last dim, last dim).
+    Every layout (a ZeRO shard's flat range, a tensor-parallel slice, a whole tensor) is a union
+    of boxes of it, so every layout can read what any other wrote."""
+    if len(shape) <= 2:
+        return torch.Size(shape)
+    return torch.Size([math.prod(shape[:-1]), shape[-1]])
+
+
+def range_boxes(flat: torch.Tensor, start: int, shape: torch.Size) -> list:
+    """The elements [start, start + len(flat)) of a row-major tensor of `shape` (saved_shape,
+    at most 2-D), held in the 1-D `flat`, as at most three boxes [(offsets, view of flat)]."""
+    n = flat.numel()
+    if len(shape) < 2:
+        return [((start,) if len(shape) else (), flat.view(shape) if not len(shape) else flat)]
+    cols = shape[1]
+    boxes, a, b = [], start, start + n
+    row, col = divmod(a, cols)
+    if col and a < b:  # the tail of a partly covered first row
+        k = min(cols - col, b - a)
+        boxes.append(((row, col), flat[:k].view(1, k)))
+        a += k
+    rows = (b - a) // cols
+    if rows:
+        boxes.append(((a // cols, 0), flat[a - start : a - start + rows * cols].view(rows, cols)))
+        a += rows * cols
+    if a < b:  # the head of a partly covered last row
+        boxes.append(((a // cols, 0), flat[a - start :].view(1, b - a)))
+    return boxes
+
+
+def _sharded(chunks: list, shape: torch.Size, group):
+    """A tensor of `shape` of which this rank holds `chunks` [(offsets, local tensor), ...]; the
+    ranks of `group` hold the rest (ShardedTensor, which DCP saves and reshards)."""
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
 
     rank = dist.get_rank()
-    shards = []
-    if local.numel():
-        shards = [Shard(local, ShardMetadata([offset], [local.numel()], f"rank:{rank}/{local.device}"))]
+    shards = [
+        Shard(t, ShardMetadata(list(off), list(t.shape), f"rank:{rank}/{t.device}"))
+        for off, t in chunks
+        if t.numel()
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # ShardedTensor: see docs/zero.md
-        return ShardedTensor._init_from_local_shards(shards, total, process_group=group)
+        return ShardedTensor._init_from_local_shards(shards, *shape, process_group=group)
 
 
 def _init_state(optimizer: torch.optim.Optimizer) -> None:
@@ -106,15 +147,16 @@ class ShardedState:
         states = iter(self._opt_states())
         for g in s.groups:
             for seg, p in zip(g.segments, g.seg_params, strict=True):
-                total = g.layout.numels[seg.index]
-                model[seg.name] = _chunked(p, seg.start, total, group)
+                shape = saved_shape(g.layout.shapes[seg.index])
+                model[seg.name] = _sharded(range_boxes(p, seg.start, shape), shape, group)
                 for key, v in next(states).items():
                     if not torch.is_tensor(v):
                         continue
                     if v.dim() == 0:
                         optim[f"{seg.name}.{key}"] = v
                     elif v.numel() == seg.length:
-                        optim[f"{seg.name}.{key}"] = _chunked(v.view(-1), seg.start, total, group)
+                        boxes = range_boxes(v.view(-1), seg.start, shape)
+                        optim[f"{seg.name}.{key}"] = _sharded(boxes, shape, group)
         return model, optim
 
     def loaded(self) -> None:
@@ -127,13 +169,38 @@ class ShardedState:
 
 
 def plain_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The same layout for an unsharded model and optimizer (replicated plain tensors)."""
+    """The same layout for an unsharded model and optimizer (replicated plain tensors).
+
+    A tensor-parallel model (`plait.tensor_parallel.apply_tp`) saves each sharded parameter,
+    and its optimizer states, as chunks of the whole canonical tensor in its natural shape, so
+    DCP can load it into another tp degree or one process."""
     _init_state(optimizer)
     names = {id(p): n for n, p in model.named_parameters()}
-    model_sd = {n: p.detach().view(-1) for n, p in model.named_parameters()}
+    tp = getattr(model, "_plait_tp", None)
+
+    def entry(p, t):
+        if tp is not None and getattr(p, SHARD_DIM_ATTR, None) is not None:
+            mesh, axis, _ = tp
+            shape, chunks = canonical_chunks(p, mesh, axis)
+            if len(shape) > 2:
+                raise CheckpointError(f"tensor-parallel shards of {len(shape)}-D tensors are not saved yet")
+            if t is not p:  # an optimizer state shaped like p: the same chunks of it
+                chunks = [(off, t.narrow(*_narrowing(p, v))) for off, v in chunks]
+            return _sharded(chunks, shape, mesh.group(axis))
+        return t.detach().view(saved_shape(t.shape))
+
+    model_sd = {n: entry(p, p) for n, p in model.named_parameters()}
     optim_sd = {}
     for p, st in optimizer.state.items():
         for key, v in st.items():
             if torch.is_tensor(v):
-                optim_sd[f"{names[id(p)]}.{key}"] = v if v.dim() == 0 else v.view(-1)
+                optim_sd[f"{names[id(p)]}.{key}"] = v if v.dim() == 0 else entry(p, v)
     return model_sd, optim_sd
+
+
+def _narrowing(p: torch.Tensor, view: torch.Tensor) -> tuple[int, int, int]:
+    """(dim, start, length) of `view`, a narrowing of `p` along its shard dim."""
+    dim = getattr(p, SHARD_DIM_ATTR)
+    stride = p.stride(dim)
+    start = (view.storage_offset() - p.storage_offset()) // stride
+    return dim, start, view.shape[dim]
