@@ -157,7 +157,7 @@ def references(split):
 
 def test_hybrid_two_workers_parity_ledger_accuracy(split, references):
     batches, refs = references
-    out = run_ranks(_two_workers, 2, args=(batches, split), timeout=60)
+    out = run_ranks(_two_workers, 2, args=(batches, split))
     _check_parity({key: [o[0][key] for o in out] for key in out[0][0]}, refs, k=2)
     # The formula, by hand: B=32, d=512, hidden 128, 64, 10 classes, 4,800 conv parameters, fp32.
     formula_c = out[0][0][("c", "adamw")][2]
@@ -174,7 +174,7 @@ def test_hybrid_two_workers_parity_ledger_accuracy(split, references):
 
 def test_hybrid_four_workers_parity_ledger_bad_width(references):
     batches, refs = references
-    out = run_ranks(_four_workers, 4, args=(batches,), timeout=60)
+    out = run_ranks(_four_workers, 4, args=(batches,))
     _check_parity({key: [o[0][key] for o in out] for key in out[0][0]}, refs, k=4)
     formula_c = out[0][0][("c", "adamw")][2]
     # 10 classes padded to 12: each worker sends 3 logit columns of all 32 examples.

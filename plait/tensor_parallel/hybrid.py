@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait import comm
+from plait.comm.autograd import all_to_all_along, gather_from_sequence
 from plait.data_parallel.ddp import DataParallel
 from plait.errors import ConfigError
 from plait.mesh import Mesh
@@ -68,10 +69,10 @@ ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.SiLU, nn.Sigmoid, nn.LeakyReLU, nn.
 
 
 class _GatherRows(torch.autograd.Function):
-    """All-gather along dim 0 forward; reduce-scatter along dim 0 backward.
-
-    With `pending` (a list) the gather is left in flight and its handle appended; the caller
-    must wait on it before reading the output."""
+    """All-gather along dim 0 forward, reduce-scatter along dim 0 backward, as
+    `plait.comm.autograd.gather_from_sequence`, but left in flight: the handle is appended to
+    `pending` and the caller waits on it before reading the output, so that the scheme-(c)
+    rounds can all be issued before the first one is computed."""
 
     @staticmethod
     def forward(ctx, x, mesh, axis, pending):
@@ -79,10 +80,7 @@ class _GatherRows(torch.autograd.Function):
         x = x.contiguous()
         out = x.new_empty((mesh.size(axis) * x.shape[0], *x.shape[1:]))
         handle = comm.all_gather(out, x, mesh, axis, async_op=True)
-        if pending is None:
-            handle.wait()
-        else:
-            pending.append((handle, x))  # keeps the input alive until the gather completes
+        pending.append((handle, x))  # keeps the input alive until the gather completes
         return out
 
     @staticmethod
@@ -91,30 +89,6 @@ class _GatherRows(torch.autograd.Function):
         out = grad.new_empty((grad.shape[0] // ctx.mesh.size(ctx.axis), *grad.shape[1:]))
         comm.reduce_scatter(out, grad, ctx.mesh, ctx.axis)
         return out, None, None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    """Equal blocks of dim 0 exchanged between workers; the same exchange is its own transpose."""
-
-    @staticmethod
-    def forward(ctx, x, mesh, axis):
-        ctx.mesh, ctx.axis = mesh, axis
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        comm.all_to_all(out, x, mesh, axis)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        comm.all_to_all(out, grad, ctx.mesh, ctx.axis)
-        return out, None, None
-
-
-def _gather_columns(x: torch.Tensor, mesh: Mesh, axis: str) -> torch.Tensor:
-    """(rows, w) neuron slices -> (rows, K*w): all-gather along dim 1, reduce-scatter backward."""
-    return _GatherRows.apply(x.t(), mesh, axis, None).t()
 
 
 # --- the plan: which layers split how, checked without a process group ------------------------
@@ -333,18 +307,17 @@ class KrizhevskyHybrid(nn.Module):
         for r, h in enumerate(rounds):
             pending[r][0].wait()  # later rounds stay in flight while this one is computed
             for i, stage in enumerate(self.stages):
-                if i:
-                    h = _gather_columns(h, mesh, axis)
+                if i:  # the next layer needs every neuron of this one (reduce-scatter backward)
+                    h = gather_from_sequence(h, mesh, axis, dim=1)
                 h = stage(h)
             outputs.append(h)
         z = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         if len(sizes) > 1:
             z = z.index_select(0, self._owner_order(sizes).to(z.device))
-        # Rows now grouped by owning worker: send each worker its examples' slice of neurons.
-        z = _AllToAll.apply(z, mesh, axis)
-        width = z.shape[1]
-        logits = z.view(k, b, width).transpose(0, 1).reshape(b, k * width)
-        return logits[:, : self.n_classes] if k * width != self.n_classes else logits
+        # Rows now grouped by owning worker: send each worker its examples' slice of neurons
+        # (block j of the rows to worker j), received slices side by side in worker order.
+        logits = all_to_all_along(z, mesh, axis, split_dim=0, concat_dim=1)
+        return logits[:, : self.n_classes] if logits.shape[1] != self.n_classes else logits
 
     def comm_per_step(self, global_batch: int, elem_bytes: int = 4) -> dict[str, tuple[int, int]]:
         """The formula for this hybrid: {op: (calls, payload bytes)} per step per worker."""
