@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -58,12 +59,19 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, workdir: str, ar
         result = fn(*args)
         with open(os.path.join(workdir, f"result-{rank}.pkl"), "wb") as fh:
             pickle.dump(result, fh)
+        dist.barrier()  # leave together: a peer tearing down gloo under a live one can abort it
         dist.destroy_process_group()
     except BaseException as exc:
         from plait.comm.recorder import write_error_file
 
         write_error_file(f"{type(exc).__name__}: {exc}", traceback.format_exc())
         os._exit(1)  # skip atexit hooks that could block on a dead peer
+    # The result is on disk. Skip the interpreter's teardown: destructors of torch's C++ threads
+    # at exit were seen (rarely) to abort a finished rank with "terminate called without an
+    # active exception".
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _failure_text(workdir: Path, rank: int, exitcode: int | None) -> str:

@@ -1,5 +1,7 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) with sequence parallelism (Korthikanti et
-al. 2022): column/row-parallel linear layers, the vocab-parallel embedding and cross-entropy.
+al. 2022): column/row-parallel linear layers, the vocab-parallel embedding and cross-entropy,
+`apply_tp` with plans, and Krizhevsky's hybrid (data-parallel convolutions, model-parallel
+fully connected layers).
 
 The differentiable collectives they are built from live in `plait.comm.autograd`.
 """
@@ -17,6 +19,7 @@ from plait.tensor_parallel.apply import (
     tp_named_parameters,
     without_sequence_parallel,
 )
+from plait.tensor_parallel.hybrid import KrizhevskyHybrid, apply_krizhevsky, check_krizhevsky, krizhevsky_comm
 from plait.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -29,6 +32,10 @@ from plait.tensor_parallel.layers import (
 from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
 
 __all__ = [
+    "KrizhevskyHybrid",
+    "apply_krizhevsky",
+    "check_krizhevsky",
+    "krizhevsky_comm",
     "Colwise",
     "ParallelRandom",
     "PositionSharded",
