@@ -39,6 +39,20 @@ def timed_step(step: Callable[..., T], *args) -> tuple[float, T]:
     return time.perf_counter() - t0, result
 
 
+def train_step(model, opt, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One plain optimizer step of a model whose forward(x, y) returns the loss."""
+    opt.zero_grad(set_to_none=True)
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def idle() -> None:
+    """What a rank times while another runs the one-process reference."""
+    return None
+
+
 def max_over_ranks(values: Sequence[float]) -> list[float]:
     """Element-wise maximum of `values` over the ranks of the default group (identity on one rank)."""
     t = torch.tensor(list(values), dtype=torch.float64)

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from _common import (
     command_line,
     corpus_batches,
+    idle,
     machine_info,
     markdown_table,
     max_over_ranks,
@@ -53,6 +54,7 @@ from _common import (
     median_ms,
     text_table,
     timed_step,
+    train_step,
 )
 from tqdm import tqdm
 
@@ -77,18 +79,6 @@ def _model(name: str, seq_len: int) -> GPT:
 
 def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-
-
-def _train_step(model, opt, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    opt.zero_grad(set_to_none=True)
-    loss = model(x, y)
-    loss.backward()
-    opt.step()
-    return loss.detach()
-
-
-def _idle() -> None:
-    return None
 
 
 def ddp_job(name: str, rows: int, seq_len: int, steps: int, warmup: int) -> dict:
@@ -126,16 +116,16 @@ def ddp_job(name: str, rows: int, seq_len: int, steps: int, warmup: int) -> dict
             if impl == "one":
                 if rank == 0:
                     x, y = batches[i % len(batches)]
-                    seconds, loss = timed_step(_train_step, *runs["one"], x, y)
+                    seconds, loss = timed_step(train_step, *runs["one"], x, y)
                     losses["one"].append(float(loss))
                 else:
-                    seconds, _ = timed_step(_idle)
+                    seconds, _ = timed_step(idle)
             else:
                 if impl == "plait":
                     # Ledger steps start at 1: step 0 holds the broadcast done at wrap time.
                     mesh.ledger.set_step(i + 1)
                 x, y = mine[i % len(mine)]
-                seconds, loss = timed_step(_train_step, *runs[impl], x, y)
+                seconds, loss = timed_step(train_step, *runs[impl], x, y)
                 losses[impl].append(float(loss))
             if i >= warmup:
                 times[impl].append(seconds)

@@ -78,12 +78,14 @@ import torch.distributed as dist
 from _common import (
     command_line,
     corpus_batches,
+    idle,
     machine_info,
     markdown_table,
     max_over_ranks,
     median_ms,
     text_table,
     timed_step,
+    train_step,
 )
 from tqdm import tqdm
 
@@ -203,18 +205,6 @@ def _plait_step(model, opt, x, y, mesh=None):
     return loss.detach()
 
 
-def _one_step(model, opt, x, y):
-    opt.zero_grad(set_to_none=True)
-    loss = model(x, y)
-    loss.backward()
-    opt.step()
-    return loss.detach()
-
-
-def _idle() -> None:
-    return None
-
-
 def tp_job(name: str, rows: int, seq_len: int, steps: int, warmup: int) -> dict:
     """On each of the TP ranks: train the five setups in turn, timing every step."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -252,9 +242,9 @@ def tp_job(name: str, rows: int, seq_len: int, steps: int, warmup: int) -> dict:
         for k in SETUPS[i % len(SETUPS) :] + SETUPS[: i % len(SETUPS)]:
             if k == "one":
                 if rank == 0:
-                    seconds, loss = timed_step(_one_step, *runs[k], x, y)
+                    seconds, loss = timed_step(train_step, *runs[k], x, y)
                 else:
-                    seconds, loss = timed_step(_idle)
+                    seconds, loss = timed_step(idle)
             elif k.startswith("plait"):
                 mesh.ledger.set_step(10 * i + ledger_key[k])
                 sp_mesh = mesh if k == "plait-sp" else None

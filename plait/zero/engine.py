@@ -16,6 +16,32 @@ class ShardedEngine:
 
     shards: ShardedOptimizer
 
+    def _init_layout(
+        self,
+        module,
+        mesh,
+        shard_axis: str,
+        replicate_axis: str | None,
+        compute_dtype: torch.dtype,
+        offload: str,
+        delayed_update: bool,
+    ) -> None:
+        """Where the shards live: the shard axis (N ranks, this rank's index), the data-parallel
+        degree (shard x replicate) that gradients are averaged over, the host of the masters, and
+        whether the fp32 masters are a copy (mixed precision, offload to another device, or the
+        delayed update, which steps them while the model computes) or the parameters themselves."""
+        self.module = module
+        self.mesh = mesh
+        self.shard_axis = shard_axis
+        self.replicate_axis = replicate_axis
+        self.n = mesh.size(shard_axis)
+        self.rank = mesh.rank(shard_axis)
+        self.dp = self.n * (mesh.size(replicate_axis) if replicate_axis else 1)
+        self.scale = 1.0 / self.dp
+        self.compute_dtype = compute_dtype
+        self.host = torch.device("cpu") if offload != "none" else mesh.device
+        self.master_is_separate = compute_dtype != torch.float32 or self.host != mesh.device or delayed_update
+
     def step(self) -> None:
         """One optimizer step on this rank's shards; the new parameters are then published."""
         self.shards.step()

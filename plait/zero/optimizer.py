@@ -79,31 +79,20 @@ class ZeroOptimizer(ShardedEngine):
             raise ConfigError(f"ZeroOptimizer handles stages 1 and 2, got {stage}")
         if bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be positive, got {bucket_mb}")
-        self.module = module
-        self.mesh = mesh
+        self._init_layout(module, mesh, shard_axis, replicate_axis, compute_dtype, offload, delayed_update)
         self.stage = stage
-        self.shard_axis = shard_axis
-        self.replicate_axis = replicate_axis
         self.allow_unused = allow_unused
-        self.n = mesh.size(shard_axis)
-        self.rank = mesh.rank(shard_axis)
-        self.dp = self.n * (mesh.size(replicate_axis) if replicate_axis else 1)
-        self._scale = 1.0 / self.dp
         self._sync = True
         self._queued = False
         self._next_launch = 0
         self.buckets = self._build_buckets(int(bucket_mb * 1e6), compute_dtype)
         self._broadcast()
-        host = torch.device("cpu") if offload != "none" else mesh.device
-        self.master_is_separate = (
-            compute_dtype != torch.float32 or host != mesh.device or delayed_update
-        )  # DPU steps it while the model computes
         groups = []
         for b in self.buckets:
             lo, hi = b.layout.shard_range(self.rank)
             master = b.flat[lo:hi]
             if self.master_is_separate:
-                master = master.to(device=host, dtype=torch.float32, copy=True)
+                master = master.to(device=self.host, dtype=torch.float32, copy=True)
             # stage 1 keeps the reduced shard inside its full gradient buffer: no extra copy
             grad = b.alloc_grad()[lo:hi] if stage == 1 else None
             groups.append(
@@ -171,7 +160,7 @@ class ZeroOptimizer(ShardedEngine):
                 "once per forward (use no_sync() for accumulation)"
             )
         off, k = b.layout.offsets[i], b.layout.numels[i]
-        b.alloc_grad()[off : off + k].add_(p.grad.reshape(-1), alpha=self._scale)
+        b.alloc_grad()[off : off + k].add_(p.grad.reshape(-1), alpha=self.scale)
         p.grad = None  # the bucket holds it now
         if self._sync:
             b.ready.add(i)

@@ -196,20 +196,8 @@ class ZeroStage3(ShardedEngine):
         offload_path=None,
         delayed_update: bool = False,
     ):
-        self.module = module
-        self.mesh = mesh
-        self.shard_axis = shard_axis
-        self.replicate_axis = replicate_axis
-        self.n = mesh.size(shard_axis)
-        self.rank = mesh.rank(shard_axis)
-        self.dp = self.n * (mesh.size(replicate_axis) if replicate_axis else 1)
-        self.scale = 1.0 / self.dp
-        self.compute_dtype = compute_dtype
+        self._init_layout(module, mesh, shard_axis, replicate_axis, compute_dtype, offload, delayed_update)
         self.reshard = reshard_after_forward
-        self.host = torch.device("cpu") if offload != "none" else mesh.device
-        self.master_is_separate = (
-            compute_dtype != torch.float32 or self.host != mesh.device or delayed_update
-        )  # DPU steps it while the model computes
         for buf in module.buffers():
             comm.broadcast(buf, mesh, "dp", src=0)
         policy = wrap_policy or default_wrap_policy(module)

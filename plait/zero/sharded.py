@@ -185,13 +185,7 @@ class ShardedOptimizer:
             return
         # Delayed update: finish the step started last iteration, publish it, and queue this
         # iteration's gradients; their step starts in the background at zero_grad().
-        self._start_pending()
-        self._join()
-        if self._restore_lrs is not None:
-            for group, lr in zip(self.optimizer.param_groups, self._restore_lrs, strict=True):
-                group["lr"] = lr
-            self._restore_lrs = None
-        self.on_updated()
+        self._complete_delayed()
         self._pending = (self._host_grads(), [g["lr"] for g in self.optimizer.param_groups])
 
     def _start_pending(self) -> None:
@@ -223,13 +217,18 @@ class ShardedOptimizer:
     def finish(self) -> None:
         """Complete and publish an outstanding delayed step (call before evaluating or saving)."""
         if self.delayed_update and (self._pending is not None or self._thread is not None):
-            self._start_pending()
-            self._join()
-            if self._restore_lrs is not None:
-                for group, lr in zip(self.optimizer.param_groups, self._restore_lrs, strict=True):
-                    group["lr"] = lr
-                self._restore_lrs = None
-            self.on_updated()
+            self._complete_delayed()
+
+    def _complete_delayed(self) -> None:
+        """Run (if queued) and join the delayed step, give the schedule back its learning rates
+        (the thread stepped with the ones of its own iteration), and publish the parameters."""
+        self._start_pending()
+        self._join()
+        if self._restore_lrs is not None:
+            for group, lr in zip(self.optimizer.param_groups, self._restore_lrs, strict=True):
+                group["lr"] = lr
+            self._restore_lrs = None
+        self.on_updated()
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
