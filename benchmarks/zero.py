@@ -345,7 +345,7 @@ HEADERS = [
     "min-max ms",
     "peak RSS MiB (r0 / r1)",
     "RSS growth MiB (r0 / r1)",
-    "max |loss - DDP loss|",
+    "max loss diff vs DDP",
     "other load",
 ]
 
@@ -433,6 +433,20 @@ def memory_rows(results: dict) -> list[list[str]]:
     return rows
 
 
+NOISY = 0.5  # other load (cores) above which a setup's time is flagged as inflated
+
+
+def noisy_warning(results: dict) -> str | None:
+    noisy = [SETUPS[k][0] for k, r in results.items() if r.get("other_load", 0.0) > NOISY]
+    if not noisy:
+        return None
+    return (
+        f"WARNING: {len(noisy)} setup(s) ran while other processes kept more than {NOISY} cores busy "
+        f"({', '.join(noisy)}): their times are inflated and the verdicts that use them are not "
+        "reliable; rerun on a quiet machine."
+    )
+
+
 def markdown(results: dict, info: dict, extra: dict, args, runtime_s: float) -> str:
     n = next((r["params"] for r in results.values() if "params" in r), 0)
     out = [
@@ -457,14 +471,21 @@ def markdown(results: dict, info: dict, extra: dict, args, runtime_s: float) -> 
         "- Peak RSS = high-water mark of each rank's process (VmHWM; `getrusage` ru_maxrss would carry",
         "  the launcher's peak over fork + exec); RSS growth = that peak minus the rank's VmRSS after",
         "  imports and data, before the model was built (DeepSpeed's import footprint is larger).",
-        "- max |loss - DDP loss|: largest difference over all steps between the setup's loss (mean",
+        "- max loss diff vs DDP: largest absolute difference over all steps between the setup's loss (mean",
         "  over ranks) and torch DDP's; small values show that every setup trains the same model.",
         "- other load: cores kept busy by other processes during the setup's measured steps",
         "  (machine-wide busy CPU time from /proc/stat minus the ranks' own, per second; the largest",
         "  over rounds). Near 0 on a quiet machine; on this 2-core machine, 0.5 or more means the",
-        "  setup's time is inflated by someone else's work.",
+        "  setup's time is inflated by someone else's work. Each job waited for other processes to",
+        f"  use at most {args.max_other_load} cores before it started (at most {args.wait_budget:g} s of",
+        "  waiting over the run) and was run once more, keeping the quieter attempt, if they got busy",
+        "  during it.",
         "",
         markdown_table(HEADERS, table_rows(results)),
+        "",
+        *([f"**{noisy_warning(results)}**", ""] if noisy_warning(results) else []),
+        "Peak RSS also holds memory that glibc's allocator keeps after it was freed, which depends on",
+        "each library's pattern of allocations (sizes, order, reuse) as well as on what it needs.",
         "",
         "## Target: each plait stage at least as fast as the fastest peer of that stage",
         "",
@@ -498,6 +519,61 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
+def _wait_for_quiet(args, budget: list[float]) -> float:
+    """Wait (from the shared `budget` of seconds) until other processes keep at most
+    --max-other-load cores busy; return the last load seen. This process sleeps meanwhile, so the
+    machine's busy time is all someone else's."""
+    while True:
+        busy0, t0 = _machine_busy_s(), time.perf_counter()
+        time.sleep(1.0)
+        load = (_machine_busy_s() - busy0) / (time.perf_counter() - t0)
+        if load <= args.max_other_load or budget[0] <= 0:
+            return load
+        print(
+            f"(other processes busy: {load:.2f} cores; waiting, {budget[0]:.0f} s left) ", end="", flush=True
+        )
+        time.sleep(min(10.0, budget[0]))
+        budget[0] -= 11.0
+
+
+def _measure(key: str, tag: str, args, ds_python: Path | None, ds_status: str, budget: list[float]) -> dict:
+    """One round of one setup in a fresh job, started once the machine is quiet (see
+    `_wait_for_quiet`); rerun once, if the wait budget allows, when other processes became busy
+    during it, keeping the quieter attempt."""
+    label, best = SETUPS[key][0], None
+    for attempt in range(2):
+        print(f"{tag} {label}: one {WORLD}-rank job ...", end=" ", flush=True)
+        _wait_for_quiet(args, budget)
+        t0 = time.perf_counter()
+        try:
+            if SETUPS[key][2] == "deepspeed":
+                if ds_python is None:
+                    raise RuntimeError(ds_status)
+                r = _run_deepspeed(ds_python, key, args)
+            else:
+                r = _run_local(key, args)
+        except Exception as exc:  # a failed setup is a row, not the end of the benchmark
+            msg = str(exc).strip().splitlines()
+            why = msg[-1] if msg else type(exc).__name__
+            if SETUPS[key][2] == "deepspeed" and not why.startswith("unavailable"):
+                why = f"failed: {why}"
+            print(why, flush=True)
+            return best or {"error": why[:200]}
+        if r["threads"] != 1:
+            print(f"(warning: {r['threads']} threads) ", end="")
+        print(
+            f"{median_ms(r['times']):.0f} ms/step, other load {r['other_load']:.2f} "
+            f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+        if best is None or r["other_load"] < best["other_load"]:
+            best = r
+        if best["other_load"] <= args.max_other_load or budget[0] <= 0 or attempt == 1:
+            return best
+        print(f"{tag}   other processes were busy during the job: once more", flush=True)
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--model", default="3m", help="a plait.models.gpt_config name (default 3m)")
@@ -514,7 +590,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed (no install)")
     parser.add_argument("--deepspeed-venv", type=Path, default=DS_VENV, help=f"default {DS_VENV}")
     parser.add_argument(
-        "--quick", action="store_true", help="smoke run: tiny model, 1 + 3 steps, 1 round, no file"
+        "--max-other-load", type=float, default=0.3, help="wait while other processes use more cores"
+    )
+    parser.add_argument(
+        "--wait-budget", type=float, default=240.0, help="seconds the run may spend waiting for quiet"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: tiny model, 1 + 3 steps, 1 round, no waiting, no file",
     )
     parser.add_argument("--out", type=Path, default=None, help=f"markdown output (default {RESULTS})")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per setup job")
@@ -522,7 +606,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.model, args.batch, args.steps, args.warmup, args.rounds = "tiny", 2, 3, 1, 1
+        args.model, args.batch, args.steps, args.warmup, args.rounds, args.wait_budget = (
+            "tiny",
+            2,
+            3,
+            1,
+            1,
+            0.0,
+        )
     from plait.models import gpt_config
 
     if args.seq_len is None:
@@ -557,27 +648,9 @@ def main(argv: list[str] | None = None) -> int:
     order = []
     for r in range(args.rounds):
         order += keys if r % 2 == 0 else keys[::-1]
+    budget = [args.wait_budget]
     for i, key in enumerate(order, 1):
-        label = SETUPS[key][0]
-        print(f"[{i}/{len(order)}] {label}: one {WORLD}-rank job ...", end=" ", flush=True)
-        t0 = time.perf_counter()
-        try:
-            if SETUPS[key][2] == "deepspeed":
-                if ds_python is None:
-                    raise RuntimeError(ds_status)
-                r = _run_deepspeed(ds_python, key, args)
-            else:
-                r = _run_local(key, args)
-            if r["threads"] != 1:
-                print(f"(warning: {r['threads']} threads) ", end="")
-            print(f"{median_ms(r['times']):.0f} ms/step ({time.perf_counter() - t0:.0f} s)", flush=True)
-        except Exception as exc:  # a failed setup is a row, not the end of the benchmark
-            msg = str(exc).strip().splitlines()
-            why = msg[-1] if msg else type(exc).__name__
-            if SETUPS[key][2] == "deepspeed" and not why.startswith("unavailable"):
-                why = f"failed: {why}"
-            r = {"error": why[:200]}
-            print(why, flush=True)
+        r = _measure(key, f"[{i}/{len(order)}]", args, ds_python, ds_status, budget)
         results[key] = _merge(results[key], r) if key in results else r
     runtime = time.perf_counter() - start
 
@@ -593,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
     if mem:
         print()
         print(text_table(MEMORY_HEADERS, mem))
+    if noisy_warning(results):
+        print(noisy_warning(results))
     print(f"runtime {runtime:.0f} s; load average at end {load_end}")
     out = args.out if args.out is not None else (None if args.quick else RESULTS)
     if out is not None:
