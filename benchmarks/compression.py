@@ -20,15 +20,30 @@ its own run directory under a temporary directory. What is read back from a run 
    left at the config's; LAMB's is tried at each of `--lamb-lrs`. min_lr keeps the config's
    ratio to the peak; warm-up is `--big-warmup` steps.
 
+3. **SGD with momentum** (`--optim sgd`; the optimizer of Seide et al. and of Aji & Heafield):
+   `--optim.name sgd`, momentum `--momentum` (0.9), no weight decay (the config's 0.1 is meant for
+   AdamW). Part 0 trains uncompressed at each peak learning rate of `--sgd-lrs` (warm-up, cosine
+   decay and gradient clipping as the config sets them) and takes the one with the lowest
+   held-out loss; part 1 then runs at that learning rate without fp16 and part 2. Results go to
+   benchmarks/results/compression_sgd.md with compression_sgd_loss.png.
+4. **Compression after an uncompressed warm-up** (`--warm-start N`, either optimizer): also runs
+   1-bit and top-1% with error feedback whose first N steps are uncompressed: the run stops with a
+   checkpoint at step N (`--train.stop_at N`) and is resumed from it (`plait train --resume`) with
+   compression switched on and a fresh residual. Under AdamW this lets Adam's moments be learned
+   on exact gradients first, the insight of 1-bit Adam (Tang et al. 2021); here it is a benchmark
+   option only, not a trainer feature.
+
 All runs (both parts) hold out 7.5% of the corpus instead of the config's 5%: one evaluation
 batch of 256 sequences must fit into the held-out text, and with 7.5% the 8 evaluation batches
 of 32 sequences and the single one of 256 are the same 256 windows, so every held-out loss
 below is measured on the same text.
 
 Run from the repository root:  .venv/bin/python benchmarks/compression.py [--steps 600]
-[--quick] [--only none,onebit,...] [--out PATH]. Prints the tables and writes
-benchmarks/results/compression.md with compression_loss.png and lamb_loss.png beside it (not
-with --quick, unless --out is given).
+[--quick] [--only none,onebit,...] [--optim adamw|sgd] [--sgd-lrs 0.05,0.1,0.3,1.0]
+[--warm-start N] [--out PATH]. Prints the tables and writes benchmarks/results/compression.md
+with compression_loss.png and lamb_loss.png beside it (`--optim sgd`: compression_sgd.md and
+compression_sgd_loss.png; another --out: <stem>_loss.png); --quick writes nothing unless --out
+is given.
 """
 
 from __future__ import annotations
@@ -51,6 +66,7 @@ from _common import command_line, machine_info, markdown_table, text_table
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/default.toml"
 RESULTS = Path(__file__).resolve().parent / "results" / "compression.md"
+RESULTS_SGD = RESULTS.with_name("compression_sgd.md")
 HELD_OUT = 0.075  # see the module docstring
 BIG = 8  # batch multiplier of part 2
 SKIP = 5  # first steps left out of the step-time medians (allocator and thread-pool warm-up)
@@ -65,9 +81,13 @@ class Run:
     key: str
     label: str
     overrides: list[str]
-    part: int
+    part: int  # 0: SGD learning-rate sweep, 1: compression, 2: LAMB vs AdamW
     batch_mult: int = 1
     result: dict = field(default_factory=dict)
+    # --warm-start: the first `warm` steps uncompressed (`overrides` minus `compress`), then the run
+    # is resumed from its step-`warm` checkpoint with `compress` added (a fresh residual)
+    warm: int = 0
+    compress: list[str] = field(default_factory=list)
 
 
 def default_config() -> dict:
@@ -75,15 +95,38 @@ def default_config() -> dict:
         return tomllib.load(fh)["train"]
 
 
-def plan(steps: int, lamb_lrs: list[float], big_warmup: int) -> tuple[list[Run], list[str]]:
-    """The runs of both parts and the overrides common to all of them."""
-    t = default_config()
+def common_args(optim: str, momentum: float) -> list[str]:
+    """The overrides every run of a mode shares."""
     common = [
         *("--data.held_out_fraction", str(HELD_OUT)),
         *("--train.progress", "false", "--train.sample_tokens", "0", "--train.checkpoint_every", "0"),
     ]
+    if optim == "sgd":  # no weight decay: the config's 0.1 is AdamW's decoupled decay, far too strong here
+        common += ["--optim.name", "sgd", "--optim.momentum", f"{momentum:g}", "--train.weight_decay", "0"]
+    return common
+
+
+def _small(steps: int) -> list[str]:
     every = max(1, steps // 6)
-    small = ["--train.steps", str(steps), "--train.eval_every", str(every), "--train.log_every", str(every)]
+    return ["--train.steps", str(steps), "--train.eval_every", str(every), "--train.log_every", str(every)]
+
+
+def lr_args(lr: float) -> list[str]:
+    """Peak and final learning rate, min_lr in the config's ratio to the peak."""
+    t = default_config()
+    return ["--train.lr", f"{lr:.4g}", "--train.min_lr", f"{lr * t['min_lr'] / t['lr']:.4g}"]
+
+
+def sweep_runs(steps: int, lrs: list[float]) -> list[Run]:
+    """SGD mode, part 0: uncompressed runs at each peak learning rate."""
+    small = [*_small(steps), "--comm.compression", "none"]
+    return [Run(f"sgd-lr{lr:.4g}", f"SGD, lr {lr:.4g}", [*small, *lr_args(lr)], 0) for lr in lrs]
+
+
+def compression_runs(steps: int, optim: str, lr: float | None, warm: int) -> list[Run]:
+    """Part 1. SGD mode: the uncompressed run comes from the sweep and fp16 is left out."""
+    t = default_config()
+    small = _small(steps) + (lr_args(lr) if lr is not None else [])
     onebit = ["--comm.compression", "onebit"]
     topk = ["--comm.compression", "topk", "--comm.topk_ratio", "0.01"]
     ef, no_ef = ["--comm.error_feedback", "true"], ["--comm.error_feedback", "false"]
@@ -96,6 +139,27 @@ def plan(steps: int, lamb_lrs: list[float], big_warmup: int) -> tuple[list[Run],
         Run("topk-noef", "top-1%, no residual", [*small, *topk, *no_ef], 1),
         Run("none-seed1", "none (fp32), seed + 1", [*small, "--train.seed", str(t["seed"] + 1)], 1),
     ]
+    if warm:
+        for key, comp, name, feedback in (
+            ("onebit", onebit, "1-bit + error feedback", ef),
+            ("topk", topk, "top-1% + residual", ef),
+            ("onebit-noef", onebit, "1-bit, no error feedback,", no_ef),
+            ("topk-noef", topk, "top-1%, no residual,", no_ef),
+        ):
+            label = f"{name} after {warm} uncompressed steps"
+            uncompressed = [*small, "--comm.compression", "none"]
+            runs.append(Run(f"{key}-warm", label, uncompressed, 1, 1, {}, warm, [*comp, *feedback]))
+    if optim == "sgd":
+        runs = [r for r in runs if r.key not in ("none", "fp16")]
+    return runs
+
+
+def plan(steps: int, lamb_lrs: list[float], big_warmup: int, warm: int = 0) -> tuple[list[Run], list[str]]:
+    """The AdamW runs of parts 1 and 2 and the overrides common to all of them."""
+    t = default_config()
+    common = common_args("adamw", 0.0)
+    every = max(1, steps // 6)
+    runs = compression_runs(steps, "adamw", None, warm)
     big_steps = max(1, steps // BIG)
     big = [
         *("--train.global_batch", str(BIG * t["global_batch"]), "--train.steps", str(big_steps)),
@@ -137,10 +201,17 @@ def execute(run: Run, common: list[str], workdir: Path, timeout: float) -> None:
     run_dir = workdir / run.key
     cmd = [sys.executable, "-m", "plait.cli", "train", CONFIG, *common, *run.overrides]
     cmd += ["--train.run_dir", str(run_dir)]
+    cmds = [cmd]
+    if run.warm:  # stop (and checkpoint) after the warm-up, then resume with compression switched on
+        cmds = [[*cmd, "--train.stop_at", str(run.warm)]]
+        cmds.append([sys.executable, "-m", "plait.cli", "train", "--resume", str(run_dir), *run.compress])
     log = workdir / f"{run.key}.log"
     t0 = time.perf_counter()
     with open(log, "w") as fh:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
+        for c in cmds:
+            proc = subprocess.run(c, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
+            if proc.returncode != 0:
+                break
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
@@ -260,6 +331,44 @@ def rows_2(runs: list[Run], seq_len: int) -> list[list[str]]:
     return out
 
 
+HEADERS_0 = [
+    "peak lr -> min lr",
+    "held-out loss",
+    "bits/byte",
+    "final training loss (mean of last 20)",
+    "run wall s",
+]
+
+
+def rows_0(runs: list[Run], chosen: str | None) -> list[list[str]]:
+    out = []
+    for run in (r for r in runs if r.part == 0):
+        res = run.result
+        lr = f"{_arg(run, '--train.lr', '?')} -> {_arg(run, '--train.min_lr', '?')}"
+        if run.key == chosen:
+            lr = f"**{lr}** (chosen)"
+        if "failed" in res:
+            out.append([lr, res["failed"], "-", "-", _f(res.get("wall_s"), ".0f")])
+            continue
+        last = res["loss"][-SMOOTH:]
+        out.append(
+            [
+                lr,
+                _f(res["val_loss"], ".4f"),
+                _f(res["bits"], ".3f"),
+                _f(sum(last) / len(last) if last else float("nan"), ".4f"),
+                _f(res["wall_s"], ".0f"),
+            ]
+        )
+    return out
+
+
+def best_sweep_run(runs: list[Run]) -> Run | None:
+    """The sweep run with the lowest finite held-out loss."""
+    ok = [r for r in runs if r.part == 0 and done(runs, r.key) and math.isfinite(r.result["val_loss"])]
+    return min(ok, key=lambda r: r.result["val_loss"]) if ok else None
+
+
 def targets(runs: list[Run]) -> list[list[str]]:
     """[target, measured, verdict] rows, all computed from the runs."""
     ref, seed = done(runs, "none"), done(runs, "none-seed1")
@@ -299,6 +408,24 @@ def targets(runs: list[Run]) -> list[list[str]]:
             f"{bad['val_loss']:.4f} vs {res['val_loss']:.4f}: +{diff:.4f} (needs > {margin:.4f}: {rule})"
         )
         ok = not math.isfinite(bad["val_loss"]) or diff > margin  # a diverged run is worse too
+        out.append([text, measured.replace("+-", "-"), "met" if ok else "NOT met"])
+    for key in FACTOR_TARGETS:
+        res = done(runs, f"{key}-warm")
+        if ref is None or res is None:
+            continue
+        run = next(r for r in runs if r.key == f"{key}-warm")
+        ratio = res["val_loss"] / ref["val_loss"]
+        text = f"{run.label}: held-out loss within {LOSS_TOLERANCE - 1:.0%} of uncompressed (extra)"
+        measured = f"{res['val_loss']:.4f} vs {ref['val_loss']:.4f} (x{ratio:.4f})"
+        out.append([text, measured, "met" if ratio <= LOSS_TOLERANCE else "NOT met"])
+        bad = done(runs, f"{key}-noef-warm")
+        if bad is None:
+            continue
+        margin = MIN_WORSE * res["val_loss"] if noise is None else max(MIN_WORSE * res["val_loss"], 2 * noise)
+        diff = bad["val_loss"] - res["val_loss"]
+        text = "the same without error feedback: measurably worse than with it (extra)"
+        measured = f"{bad['val_loss']:.4f} vs {res['val_loss']:.4f}: +{diff:.4f} (needs > {margin:.4f})"
+        ok = not math.isfinite(bad["val_loss"]) or diff > margin
         out.append([text, measured.replace("+-", "-"), "met" if ok else "NOT met"])
     return out
 
@@ -363,21 +490,33 @@ def plot(runs: list[Run], path: Path, part: int, seq_len: int, batch: int) -> No
 # --- report ------------------------------------------------------------------------------------
 
 
-def markdown(runs, common, info, command, args, runtime_s, seq_len) -> str:
+def markdown(runs, common, info, command, args, runtime_s, seq_len, images: dict[str, str]) -> str:
     t = default_config()
+    sgd = args.optim == "sgd"
     per_run = [
         [
             r.key,
-            "`" + " ".join(r.overrides) + "`",
+            "`"
+            + " ".join(r.overrides)
+            + (f" --train.stop_at {r.warm}`, then `--resume <run> {' '.join(r.compress)}" if r.warm else "")
+            + "`",
             _f(r.result.get("wall_s"), ".0f"),
             _f(r.result.get("load"), ".2f"),
         ]
         for r in runs
+        if r.result.get("wall_s") is not None
     ]
     tgt = targets(runs)
     missed = [row for row in tgt if row[2] == "NOT met"]
+    best = best_sweep_run(runs)
+    if sgd:
+        title = "# Gradient compression under SGD with momentum"
+        optim = f"SGD, momentum {args.momentum:g}, no weight decay, peak lr {_arg(best, '--train.lr', '?')}"
+    else:
+        title = "# Gradient compression and large-batch optimizers"
+        optim = "AdamW"
     out = [
-        "# Gradient compression and large-batch optimizers",
+        title,
         "",
         "Written by `benchmarks/compression.py`; every figure below comes from one run of it (see the",
         "script's docstring for the method). Each row is one `plait train` run of the default GPT",
@@ -395,27 +534,58 @@ def markdown(runs, common, info, command, args, runtime_s, seq_len) -> str:
         f"{SKIP}; bytes: `comm_bytes` (sent per rank, bus bytes) and `comm_uncompressed_bytes` at the",
         "  logged steps (a range where they differ).",
         "",
-        f"## 1. Gradient compression ({t['global_batch']} sequences x {seq_len} bytes, AdamW, same seed)",
-        "",
-        markdown_table(HEADERS_1, rows_1(runs)),
-        "",
-        "`none (fp32), seed + 1` repeats the uncompressed run with another seed (model initialisation",
-        "and data order): the difference of its held-out loss to `none` is the noise floor for",
-        '"measurably worse".',
-        "",
-        "![training and held-out loss per gradient exchange](compression_loss.png)",
-        "",
-        f"## 2. LAMB vs AdamW at {BIG}x the global batch, the same training tokens",
-        "",
-        f"AdamW's peak lr is the config's {t['lr']:g} x sqrt({BIG}) (square-root scaling) and, to check",
-        f"that rule, the config's {t['lr']:g} itself; LAMB's is each",
-        f"of {', '.join(f'{x:g}' for x in args.lamb_lrs)} (all tried are listed). min_lr keeps the config's",
-        f"ratio min_lr/lr = {t['min_lr'] / t['lr']:g}. Loss / ref is relative to the batch-32 AdamW run.",
-        "",
-        markdown_table(HEADERS_2, rows_2(runs, seq_len)),
-        "",
-        "![LAMB vs AdamW at 8x batch](lamb_loss.png)",
-        "",
+    ]
+    if any(r.part == 0 for r in runs):
+        out += [
+            "## 0. Learning rate of SGD with momentum (uncompressed)",
+            "",
+            f"{args.steps} steps, linear warm-up over the config's {t['warmup_steps']} steps, cosine decay",
+            f"to min_lr = peak x {t['min_lr'] / t['lr']:g}, global gradient norm clipped to the config's"
+            " grad_clip; the lowest held-out loss is chosen for part 1.",
+            "",
+            markdown_table(HEADERS_0, rows_0(runs, best.key if best else None)),
+            "",
+        ]
+    if any(r.part == 1 for r in runs):
+        out += [
+            f"## 1. Gradient compression ({t['global_batch']} sequences x {seq_len} bytes, {optim}, "
+            "same seed)",
+            "",
+            markdown_table(HEADERS_1, rows_1(runs)),
+            "",
+        ]
+        if done(runs, "none-seed1"):
+            out += [
+                "`none (fp32), seed + 1` repeats the uncompressed run with another seed (model",
+                "initialisation and data order): the difference of its held-out loss to `none` is the noise",
+                'floor for "measurably worse".',
+                "",
+            ]
+        if any(r.warm for r in runs):
+            out += [
+                "The `after N uncompressed steps` rows train their first N steps uncompressed, stop with a",
+                "checkpoint, and resume from it with compression on (a fresh residual; Adam's moments as",
+                "learned on uncompressed gradients, the idea of 1-bit Adam's warm-up stage). Their bytes",
+                "range over both stages; the compression factor is that of the compressed steps.",
+                "",
+            ]
+        out += [f"![training and held-out loss per gradient exchange]({images['part1']})", ""]
+    if any(r.part == 2 for r in runs):
+        out += [
+            f"## 2. LAMB vs AdamW at {BIG}x the global batch, the same training tokens",
+            "",
+            f"AdamW's peak lr is the config's {t['lr']:g} x sqrt({BIG}) (square-root scaling) and, to check",
+            f"that rule, the config's {t['lr']:g} itself; LAMB's is each",
+            f"of {', '.join(f'{x:g}' for x in args.lamb_lrs)} (all tried are listed). min_lr keeps the",
+            f"config's ratio min_lr/lr = {t['min_lr'] / t['lr']:g}. Loss / ref is relative to the batch-32",
+            "AdamW run.",
+            "",
+            markdown_table(HEADERS_2, rows_2(runs, seq_len)),
+            "",
+            f"![LAMB vs AdamW at 8x batch]({images['part2']})",
+            "",
+        ]
+    out += [
         "## Targets (issue 6)",
         "",
         markdown_table(["target", "measured", "verdict"], tgt),
@@ -432,29 +602,80 @@ def markdown(runs, common, info, command, args, runtime_s, seq_len) -> str:
     return "\n".join(out)
 
 
+def run_all(runs: list[Run], common: list[str], workdir: Path, timeout: float, start: float) -> None:
+    """Execute, one after another, the runs that have no result yet."""
+    todo = [r for r in runs if not r.result]
+    for k, run in enumerate(todo, 1):
+        extra = f" | then resume with {' '.join(run.compress)} at step {run.warm}" if run.warm else ""
+        print(f"[{k}/{len(todo)}] {run.key}: {' '.join(run.overrides)}{extra}", flush=True)
+        execute(run, common, workdir, timeout)
+        if "failed" not in run.result:
+            res = run.result
+            print(
+                f"    done in {res['wall_s']:.0f} s (total {time.perf_counter() - start:.0f} s): "
+                f"held-out {res['val_loss']:.4f}, median step {1e3 * res['step_s']:.0f} ms, "
+                f"sent {_bytes(res['bytes'])} kB/step",
+                flush=True,
+            )
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     t = default_config()
     parser.add_argument("--steps", type=int, default=t["steps"], help="steps of part 1 (part 2: 1/8)")
     parser.add_argument("--quick", action="store_true", help="smoke check: 40 steps, writes nothing")
-    parser.add_argument("--only", default="", help="comma-separated run keys (default: all)")
+    parser.add_argument("--only", default="", help="comma-separated run keys of parts 1-2 (default: all)")
+    parser.add_argument(
+        "--optim",
+        choices=("adamw", "sgd"),
+        default="adamw",
+        help="adamw: parts 1 and 2 with the config's AdamW; sgd: part 0 (lr sweep) and part 1 with SGD",
+    )
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (--optim sgd)")
+    parser.add_argument(
+        "--sgd-lrs", default="0.05,0.1,0.3,1.0", help="SGD peak learning rates of the sweep (--optim sgd)"
+    )
+    parser.add_argument(
+        "--warm-start",
+        type=int,
+        default=0,
+        help="also run 1-bit and top-1%% with error feedback after this many uncompressed steps (0: no)",
+    )
     parser.add_argument("--lamb-lrs", default="1e-2,2e-2,4e-2", help="LAMB peak learning rates to try")
     parser.add_argument("--big-warmup", type=int, default=10, help="warm-up steps of part 2")
-    parser.add_argument("--out", type=Path, default=None, help=f"markdown output (default {RESULTS})")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"markdown output (default {RESULTS}; with --optim sgd {RESULTS_SGD})",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps = 40
-    args.lamb_lrs = [float(x) for x in args.lamb_lrs.split(",") if x.strip()]
-    runs, common = plan(args.steps, args.lamb_lrs, args.big_warmup)
+    if args.steps < BIG:
+        parser.error(f"--steps must be >= {BIG}")
+    if not 0 <= args.warm_start < args.steps:
+        parser.error("--warm-start must be in [0, --steps)")
+    args.lamb_lrs = _floats(args.lamb_lrs)
+    args.sgd_lrs = _floats(args.sgd_lrs)
+    if args.optim == "sgd":
+        common = common_args("sgd", args.momentum)
+        # the compression runs are planned once the sweep has chosen the lr; their keys are known now
+        runs = [r for r in compression_runs(args.steps, "sgd", 1.0, args.warm_start)]
+    else:
+        runs, common = plan(args.steps, args.lamb_lrs, args.big_warmup, args.warm_start)
     if args.only:
         keys = [k.strip() for k in args.only.split(",") if k.strip()]
         unknown = [k for k in keys if k not in {r.key for r in runs}]
         if unknown:
             parser.error(f"unknown run(s) {unknown}; choose from {[r.key for r in runs]}")
         runs = [r for r in runs if r.key in keys]
-    if args.steps < BIG:
-        parser.error(f"--steps must be >= {BIG}")
+    keys = {r.key for r in runs}
 
     from plait.models import gpt_config
 
@@ -462,34 +683,49 @@ def main(argv: list[str] | None = None) -> int:
     command, info = command_line(), machine_info()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="plait-compression-") as tmp:
-        for k, run in enumerate(runs, 1):
-            print(f"[{k}/{len(runs)}] {run.key}: {' '.join(run.overrides)}", flush=True)
-            execute(run, common, Path(tmp), args.timeout)
-            if "failed" not in run.result:
-                res = run.result
-                print(
-                    f"    done in {res['wall_s']:.0f} s (total {time.perf_counter() - start:.0f} s): "
-                    f"held-out {res['val_loss']:.4f}, median step {1e3 * res['step_s']:.0f} ms, "
-                    f"sent {_bytes(res['bytes'])} kB/step",
-                    flush=True,
-                )
+        if args.optim == "sgd":
+            sweep = sweep_runs(args.steps, args.sgd_lrs)
+            run_all(sweep, common, Path(tmp), args.timeout, start)
+            best = best_sweep_run(sweep)
+            if best is None:
+                print("every SGD learning rate failed or diverged; no compression runs", flush=True)
+                runs = sweep
+            else:
+                lr = float(_arg(best, "--train.lr", "nan"))
+                print(f"SGD: lr {lr:g} chosen (held-out {best.result['val_loss']:.4f})", flush=True)
+                none = Run("none", "none (fp32)", best.overrides, 1, result=best.result)
+                planned = [
+                    r for r in compression_runs(args.steps, "sgd", lr, args.warm_start) if r.key in keys
+                ]
+                runs = [*sweep, none, *planned]
+        run_all(runs, common, Path(tmp), args.timeout, start)
     runtime = time.perf_counter() - start
 
+    if any(r.part == 0 for r in runs):
+        print()
+        print(text_table(HEADERS_0, rows_0(runs, None)))
     print()
     print(text_table(HEADERS_1, rows_1(runs)))
-    print()
-    print(text_table(HEADERS_2, rows_2(runs, seq_len)))
+    if any(r.part == 2 for r in runs):
+        print()
+        print(text_table(HEADERS_2, rows_2(runs, seq_len)))
     print()
     for target, measured, verdict in targets(runs):
         print(f"target: {target}: {measured} -> {verdict}")
     print(f"runtime {runtime:.0f} s")
-    out = args.out if args.out is not None else (None if args.quick else RESULTS)
+    default_out = RESULTS_SGD if args.optim == "sgd" else RESULTS
+    out = args.out if args.out is not None else (None if args.quick else default_out)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        plot(runs, out.parent / "compression_loss.png", 1, seq_len, t["global_batch"])
-        plot(runs, out.parent / "lamb_loss.png", 2, seq_len, t["global_batch"])
-        out.write_text(markdown(runs, common, info, command, args, runtime, seq_len))
-        print(f"wrote {out}, compression_loss.png and lamb_loss.png")
+        if out == RESULTS:
+            images = {"part1": "compression_loss.png", "part2": "lamb_loss.png"}
+        else:
+            images = {"part1": f"{out.stem}_loss.png", "part2": f"{out.stem}_lamb.png"}
+        plot(runs, out.parent / images["part1"], 1, seq_len, t["global_batch"])
+        if any(r.part == 2 for r in runs):
+            plot(runs, out.parent / images["part2"], 2, seq_len, t["global_batch"])
+        out.write_text(markdown(runs, common, info, command, args, runtime, seq_len, images))
+        print(f"wrote {out} and its plot(s) beside it")
     return 0
 
 
