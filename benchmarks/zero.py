@@ -19,8 +19,8 @@ process's high-water mark at the end (VmHWM of /proc/self/status: what
 `getrusage(RUSAGE_SELF).ru_maxrss` would give in a process of its own, but Linux carries
 ru_maxrss over fork + exec, so a spawned rank would report its launcher's peak whenever that is
 larger). "RSS growth" = peak - starting RSS: what the model, its wrapper, gradients, optimizer
-state, activations and communication buffers added, the fair comparison, since the libraries'
-import footprints differ (DeepSpeed's by ~70 MiB).
+state, activations and communication buffers added; the fairer comparison, since the starting
+figures differ with what each job imports (DeepSpeed's jobs run in another venv).
 A step is zero_grad + forward + backward + optimizer step, started from a barrier and timed on
 each rank (`_common.timed_step`); the step's time is the maximum over the ranks and the figure is
 the median over the measured steps, `--steps` after `--warmup` unmeasured ones in each of
@@ -478,21 +478,25 @@ def markdown(results: dict, info: dict, extra: dict, args, runtime_s: float) -> 
         f"  {WORLD} gloo ranks on the CPU, 1 thread each; AdamW(lr={LR}, weight_decay={WEIGHT_DECAY},",
         f"  fused=True) everywhere; buckets {BUCKET_MB:g} MB; fp32.",
         f"- Each setup is a fresh {WORLD}-rank job; {args.warmup} warm-up + {args.steps} measured steps"
-        + (f", in {args.rounds} rounds (every other one in reverse order)" if args.rounds > 1 else "")
-        + "; step time = median over the",
-        "  steps of the per-step maximum over the ranks, each step started from a barrier.",
+        + (f" in each of {args.rounds} rounds (every other one in reverse order)" if args.rounds > 1 else "")
+        + ";",
+        "  step time = median over the measured steps of the per-step maximum over the ranks, each",
+        "  step started from a barrier.",
+        "- DeepSpeed settings: CPU accelerator, gloo, torch AdamW as client optimizer, gradient clipping off",
+        "  (DeepSpeed's default clips at 1.0), reduce/allgather buckets of the same 25 MB, other",
+        "  settings at their defaults.",
         "- Peak RSS = high-water mark of each rank's process (VmHWM; `getrusage` ru_maxrss would carry",
         "  the launcher's peak over fork + exec); RSS growth = that peak minus the rank's VmRSS after",
-        "  imports and data, before the model was built (DeepSpeed's import footprint is larger).",
+        "  imports and data, before the model was built (starting figures differ with the imports).",
         "- max loss diff vs DDP: largest absolute difference over all steps between the setup's loss (mean",
         "  over ranks) and torch DDP's; small values show that every setup trains the same model.",
         "- other load: cores kept busy by other processes during the setup's measured steps",
         "  (machine-wide busy CPU time from /proc/stat minus the ranks' own, per second; the largest",
         "  over rounds). Near 0 on a quiet machine; on this 2-core machine, 0.5 or more means the",
         "  setup's time is inflated by someone else's work. Each job waited for other processes to",
-        f"  use at most {args.max_other_load} cores before it started (at most {args.wait_budget:g} s of",
-        "  waiting over the run) and was run once more, keeping the quieter attempt, if they got busy",
-        "  during it.",
+        f"  use at most {args.max_other_load} cores before it started (at most {args.wait_budget:g} s of"
+        " waiting",
+        "  over the run) and was run once more, keeping the quieter attempt, if they got busy during it.",
         "",
         markdown_table(HEADERS, table_rows(results)),
         "",
@@ -661,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
             if ds_python is None:
                 ds_status = f"unavailable: {ds_status}"
             else:
-                ds_status = f"{ds_status}, venv {args.deepspeed_venv} ({ds_python})"
+                ds_status = f"{ds_status}, in its own venv {args.deepspeed_venv}"
 
     results: dict[str, dict] = {}
     order = []
