@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -59,6 +60,8 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, workdir: str, ar
         result = fn(*args)
         with open(os.path.join(workdir, f"result-{rank}.pkl"), "wb") as fh:
             pickle.dump(result, fh)
+        del result
+        gc.collect()  # free wrappers (DDP, FSDP) holding the group before it is destroyed
         dist.barrier()  # leave together: a peer tearing down gloo under a live one can abort it
         dist.destroy_process_group()
     except BaseException as exc:
