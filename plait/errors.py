@@ -23,3 +23,11 @@ class CheckpointError(PlaitError):
 
 class DataParallelError(PlaitError):
     """Misuse of data parallelism, e.g. parameters that received no gradient."""
+
+
+class ScheduleError(PlaitError):
+    """An invalid pipeline schedule: an action out of order, an unmatched send, a deadlock."""
+
+
+class PipelineError(PlaitError):
+    """A model that cannot be split into the pipeline stages asked for, or misuse of the runtime."""
