@@ -239,6 +239,36 @@ def irecv(tensor: torch.Tensor, mesh: Mesh, axis: str, peer: int) -> Handle:
     )
 
 
+def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], mesh: Mesh, axis: str) -> list[Handle]:
+    """Post several sends and receives along `axis` together: `ops` holds ("send" | "recv",
+    tensor, peer position) triples. On NCCL they form one group (`dist.batch_isend_irecv`), so a
+    rank that sends to and receives from the same peer cannot block on its own send; returns one
+    Handle per op, in order."""
+    if not ops:
+        return []
+    group = mesh.group(axis)
+    n = mesh.size(axis)
+    p2p, entries = [], []
+    for kind, tensor, peer in ops:
+        if kind not in ("send", "recv"):
+            raise CommError(f"batch_isend_irecv: op {kind!r} is not valid; valid: send, recv")
+        fn = dist.isend if kind == "send" else dist.irecv
+        p2p.append(dist.P2POp(fn, tensor, mesh.global_rank_of(axis, peer), group=group))
+        entries.append(mesh.recorder.start(kind, axis, _nbytes(tensor), peer=peer))
+    try:
+        works = dist.batch_isend_irecv(p2p)
+    except Exception as exc:
+        for entry in entries:
+            mesh.recorder.complete(entry)
+        raise CommError(f"rank {mesh.global_rank}: batched send/recv on axis '{axis}' failed to start: {exc}") from exc
+    handles = []
+    for (kind, tensor, _), entry, work in zip(ops, entries, works, strict=True):
+        entry.work = work
+        mesh.ledger.record(kind, axis, _nbytes(tensor), n)
+        handles.append(Handle(work, entry, mesh, tensor))
+    return handles
+
+
 def send(tensor: torch.Tensor, mesh: Mesh, axis: str, peer: int) -> None:
     isend(tensor, mesh, axis, peer).wait()
 
