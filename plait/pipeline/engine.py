@@ -1,0 +1,251 @@
+"""Pipeline-parallel training of a GPT behind the engine interface of plait.zero.
+
+`PipelineEngine` cuts the model into ``pp x virtual_stages`` stages (plait.pipeline.stage),
+keeps this rank's, runs the configured schedule (plait.pipeline.runtime) and makes the
+gradients those of single-process training:
+
+- data parallelism (pp x dp): each stage's gradients are averaged over its dp group as soon as
+  the stage's last backward (BW or W) of the step has run, while the rest of the schedule goes
+  on; the optimizer waits for them;
+- tied embedding and head on different pipeline ranks: the two copies' gradients are summed
+  over pp (ranks between them contribute zeros) so both copies stay equal;
+- tensor parallelism (pp x tp): the stages hold the tensor-parallel layers apply_tp made; the
+  sequence-parallel gradients are summed over tp as plain data parallelism does;
+- the gradient norm sums squares over pp and tp, counting a tied or replicated tensor once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.mesh import Mesh
+from plait.pipeline.runtime import PipelineRuntime
+from plait.pipeline.schedules import make_schedule
+from plait.pipeline.simulate import Event
+from plait.pipeline.stage import split_gpt
+
+
+class HeldStages(nn.Module):
+    """The union of one rank's stages, under the whole model's parameter names."""
+
+    def __init__(self, stages: list[nn.Module], tp=None):
+        super().__init__()
+        blocks = nn.ModuleDict()
+        for stage in stages:
+            for name, child in stage.named_children():
+                if name == "blocks":
+                    blocks.update(child)
+                else:
+                    setattr(self, name, child)
+        self.blocks = blocks
+        if tp is not None:
+            self._plait_tp = tp  # read by plait.zero.state to save tensor-parallel shards whole
+
+
+class PipelineEngine:
+    """Train a plait GPT with pipeline parallelism over the mesh's pp axis (see module doc).
+
+    Args:
+        model: a GPT (after apply_tp, if any), identical on every rank.
+        optimizer: ``optimizer(param_groups) -> torch.optim.Optimizer``.
+        param_groups: ``param_groups(module) -> list of torch param groups`` for this rank's
+            part (e.g. ``lambda m: plait.optim.param_groups(m, weight_decay)``), or None.
+    """
+
+    def __init__(
+        self,
+        model,
+        mesh: Mesh,
+        optimizer,
+        *,
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        virtual_stages: int | None = None,
+        split: str = "uniform",
+        recompute: bool = False,
+        param_groups=None,
+    ):
+        self.mesh = mesh
+        p = mesh.size("pp")
+        m = microbatches or p
+        self.schedule = make_schedule(schedule, p, m, virtual_stages)
+        all_stages = split_gpt(model, self.schedule.n_stages, split)
+        self.rank = mesh.rank("pp")
+        held = self.schedule.stages[self.rank]
+        self.stages = {s: all_stages[s] for s in held}
+        self.raw = HeldStages([self.stages[s] for s in held], getattr(model, "_plait_tp", None))
+        self.module = self.raw
+        self.runtime = PipelineRuntime(self.stages, self.schedule, mesh, recompute=recompute)
+        self.runtime.on_stage_done = self._stage_done
+        self.optimizer = optimizer(param_groups(self.raw) if param_groups is not None else list(self.raw.parameters()))
+
+        # Tied embedding/head: one Parameter held by stage 0 and the last stage. On different
+        # ranks each keeps a copy whose gradients are summed over pp; the head's copy is not
+        # counted in the gradient norm.
+        first, last = 0, self.schedule.n_stages - 1
+        self.tied_shape = None
+        tie = getattr(getattr(model, "cfg", None), "tie_weights", False)
+        if tie and self.schedule.rank_of(first) != self.schedule.rank_of(last):
+            self.tied_shape = model.wte.weight.shape
+            self._tied = model.wte.weight if self.rank in (self.schedule.rank_of(first), self.schedule.rank_of(last)) else None
+            self._tied_counted = self.rank == self.schedule.rank_of(first)
+        # which held stages use each parameter: a shared one is reduced after all of them
+        self._users: dict[int, set[int]] = {}
+        for s, stage in self.stages.items():
+            for q in stage.parameters():
+                self._users.setdefault(id(q), set()).add(s)
+        self._params = {id(q): q for q in self.raw.parameters()}
+        self._finished: set[int] = set()
+        self._reduced: set[int] = set()
+        self._handles: list[tuple[comm.Handle, list[torch.Tensor]]] = []
+        self._dp = mesh.size("dp")
+        self._tp = "tp" if mesh.size("tp") > 1 else None
+        self._synced = False
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def train_step(self, inputs, targets, loss_scale: float, record: bool = False) -> torch.Tensor:
+        """Forward and backward of every micro-batch by the schedule; gradients reduced over dp
+        and tied copies summed. Returns this rank's summed loss (non-zero on the last stage)."""
+        self._finished.clear()
+        self._reduced.clear()
+        self._synced = False
+        loss = self.runtime.step(inputs, targets, loss_scale, record=record)
+        self._sync_grads()
+        return loss
+
+    def _stage_done(self, stage: int) -> None:
+        self._finished.add(stage)
+        if self._dp == 1:
+            return
+        ready = [
+            q
+            for i, q in self._params.items()
+            if i not in self._reduced and self._users[i] <= self._finished and q.grad is not None
+        ]
+        if not ready:
+            return
+        self._reduced.update(id(q) for q in ready)
+        grads = [q.grad for q in ready]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self._dp)
+        self._handles.append((comm.all_reduce(flat, self.mesh, "dp", async_op=True), grads))
+
+    def _sync_grads(self) -> None:
+        for handle, grads in self._handles:
+            flat = handle.wait()
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._handles = []
+        if self.tied_shape is not None:
+            tied = self._tied
+            buf = (
+                tied.grad.clone()
+                if tied is not None and tied.grad is not None
+                else torch.zeros(self.tied_shape, device=self.mesh.device)
+            )
+            comm.all_reduce(buf, self.mesh, "pp")
+            if tied is not None:
+                tied.grad = buf
+        if self._tp:
+            from plait.tensor_parallel import allreduce_sequence_parallel_grads
+
+            allreduce_sequence_parallel_grads(self.raw, self.mesh, self._tp)
+
+    # --- evaluation ---------------------------------------------------------------------------
+
+    def eval_loss_sum(self, inputs, targets) -> torch.Tensor:
+        was = self.raw.training
+        self.raw.eval()
+        try:
+            return self.runtime.forward_only(inputs, targets)
+        finally:
+            self.raw.train(was)
+
+    # --- timeline -------------------------------------------------------------------------------
+
+    def gather_events(self) -> list[Event]:
+        """The last recorded step's compute events of every pipeline rank (on every rank)."""
+        n = max(len(self.schedule.compute(r)) for r in range(self.schedule.p))
+        rows = torch.full((n, 5), -1.0, dtype=torch.float64)
+        codes = {"F": 0, "B": 1, "W": 2, "BW": 3}
+        for i, e in enumerate(self.runtime.events):
+            rows[i] = torch.tensor([codes[e.kind], e.mb, e.stage, e.start, e.end], dtype=torch.float64)
+        rows = rows.to(self.mesh.device)
+        out = torch.empty((self.schedule.p, n, 5), dtype=torch.float64, device=self.mesh.device)
+        comm.all_gather(out, rows, self.mesh, "pp")
+        kinds = {v: k for k, v in codes.items()}
+        events = []
+        for r in range(self.schedule.p):
+            for row in out[r].cpu().tolist():
+                if row[0] >= 0:
+                    events.append(Event(r, kinds[int(row[0])], int(row[1]), int(row[2]), row[3], row[4]))
+        return events
+
+    # --- the engine interface -------------------------------------------------------------------
+
+    def grad_norm(self) -> float:
+        """The global gradient norm over pp and tp (tied and tp-replicated tensors once)."""
+        from plait.tensor_parallel.layers import SHARD_DIM_ATTR
+
+        sq = torch.zeros(2, dtype=torch.float64, device=self.mesh.device)
+        for q in self.raw.parameters():
+            if q.grad is None:
+                continue
+            if self.tied_shape is not None and q is self._tied and not self._tied_counted:
+                continue
+            sharded = self._tp is not None and hasattr(q, SHARD_DIM_ATTR)
+            sq[0 if sharded else 1] += q.grad.detach().double().pow(2).sum()
+        comm.all_reduce(sq, self.mesh, "pp")
+        if self._tp:
+            part = comm.all_reduce(sq[:1].clone(), self.mesh, self._tp)
+            sq[0] = part[0]
+        return float(sq.sum().sqrt())
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        norm = self.grad_norm()
+        params = [q for q in self.raw.parameters() if q.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm), foreach=True)
+        return norm
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self.tied_shape is not None and self._tied is not None and set_to_none:
+            self._tied.grad = None
+
+    def no_sync(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def memory(self) -> dict:
+        from plait.zero.flat import storage_bytes
+
+        params = storage_bytes(list(self.raw.parameters()))
+        grads = storage_bytes([q.grad for q in self.raw.parameters() if q.grad is not None])
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        optim = storage_bytes(state)
+        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+    def finish(self) -> None:
+        pass
+
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        from plait.zero.state import plain_state
+
+        return plain_state(self.raw, self.optimizer)
+
+    def checkpoint_loaded(self) -> None:
+        pass
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: q.detach().to("cpu", copy=True) for n, q in self.raw.named_parameters()}
+
+    def close(self) -> None:
+        pass
