@@ -2,6 +2,8 @@
 
 plait train [CONFIG] [--section.key value ...] [--resume RUN_DIR]
 plait estimate (--params N | --model NAME) [--dp N] [--zero-stage S] ... [--json]
+plait schedule --kind KIND --stages P --microbatches M [--virtual-stages V] [--costs F,B,W] [--comm C]
+               [--out timeline.png] [--json]
 """
 
 from __future__ import annotations
@@ -155,7 +157,86 @@ def _estimate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "estimate": _estimate}
+def _schedule(argv: list[str]) -> int:
+    from plait.pipeline.check import check_schedule
+    from plait.pipeline.render import render_png, render_text
+    from plait.pipeline.schedules import SCHEDULES, default_virtual_stages, make_schedule
+    from plait.pipeline.simulate import Costs, formula_bubble, formula_bubble_time, simulate
+
+    parser = _Parser(
+        prog="plait schedule",
+        description="Build a pipeline schedule, check it, and simulate it on a cost model: timeline, "
+        "per-rank bubble and peak activations, beside the papers' bubble formulas (GPipe, 1F1B, "
+        "interleaved 1F1B, Zero Bubble).",
+    )
+    parser.add_argument("--kind", required=True, help=f"{', '.join(SCHEDULES)}")
+    parser.add_argument("--stages", type=int, required=True, help="pipeline ranks p")
+    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per step m")
+    parser.add_argument(
+        "--virtual-stages", type=int, help="model chunks per rank v (default 2 for interleaved, zb-v; else 1)"
+    )
+    parser.add_argument(
+        "--costs", default="1,1,1", help="F,B,W times, or F,BW (B and W get half each); default 1,1,1"
+    )
+    parser.add_argument("--comm", type=float, default=0.0, help="latency of a cross-rank edge (default 0)")
+    parser.add_argument("--out", help="write the timeline as a PNG here")
+    parser.add_argument("--width", type=int, default=100, help="columns of the text timeline (default 100)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help: printed, nothing else to do
+        return int(exc.code or 0)
+    if args.kind not in SCHEDULES:
+        raise ConfigError(f"unknown schedule kind {args.kind!r}; valid: {', '.join(SCHEDULES)}")
+    costs = Costs.parse(args.costs, comm=args.comm)
+    v = args.virtual_stages if args.virtual_stages is not None else default_virtual_stages(args.kind)
+    schedule = make_schedule(args.kind, args.stages, args.microbatches, v)
+    check_schedule(schedule)
+    result = simulate(schedule, costs)
+    p, m = schedule.p, schedule.m
+    expected = formula_bubble(args.kind, p, m, schedule.v, costs)
+    expected_time = formula_bubble_time(args.kind, p, m, schedule.v, costs)
+    png = render_png([(f"{args.kind} p={p} m={m} v={schedule.v}", result, p)], args.out) if args.out else None
+    if args.json:
+        out = result.to_json()
+        out.update(
+            kind=args.kind, p=p, m=m, v=schedule.v, formula_bubble=expected, formula_bubble_time=expected_time
+        )
+        out["costs"] = {"F": costs.F, "B": costs.B, "W": costs.W, "comm": costs.comm}
+        if png is not None:
+            out["png"] = str(png)
+        print(json.dumps(out))
+        return 0
+    print(
+        f"schedule {args.kind}: p={p} ranks, m={m} micro-batches, v={schedule.v} chunks per rank; "
+        f"costs F={costs.F:g} B={costs.B:g} W={costs.W:g} (BW={costs.B + costs.W:g}) comm={costs.comm:g}"
+    )
+    print(render_text(result, p, width=args.width))
+    print(f"{'rank':>4}  {'busy':>10}  {'bubble':>7}  {'idle in span':>12}  {'peak activations':>16}")
+    for r in range(p):
+        print(
+            f"{r:>4}  {result.busy[r]:>10.4g}  {result.bubble_fraction[r]:>7.1%}  "
+            f"{result.idle_within[r]:>12.4g}  {result.peak_activations[r]:>16.3g}"
+        )
+    print(f"makespan {result.makespan:.6g}; mean bubble {result.mean_bubble:.2%} of the makespan")
+    if expected is not None:
+        print(
+            f"formula: bubble time {expected_time:.4g}, {expected:.2%} of the step; simulated: "
+            f"longest idle within a rank's span {max(result.idle_within):.4g}, rank 0's bubble "
+            f"{result.bubble_fraction[0]:.2%}"
+        )
+    elif args.kind == "zb-v":
+        print("formula: none for zb-v in the reference")
+    else:
+        print("formula: none here (the formulas assume comm = 0 and equal stages)")
+    print("bubble: idle share of the makespan; idle in span: idle between the rank's first and last action")
+    print("peak activations: in micro-batches of activations through all of a rank's layers")
+    if png is not None:
+        print(f"timeline written to {png}")
+    return 0
+
+
+COMMANDS = {"train": _train, "estimate": _estimate, "schedule": _schedule}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "command",
         choices=list(COMMANDS),
-        help="train: run training; estimate: per-device memory of ZeRO (plait estimate --help)",
+        help="train: run training; estimate: per-device memory of ZeRO (plait estimate --help); "
+        "schedule: simulate a pipeline schedule (plait schedule --help)",
     )
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

@@ -16,6 +16,9 @@ action has ended and its dependencies are ready:
   gradient of ``s+1``: ``B(mb, s+1)`` or ``BW(mb, s+1)``;
 - ``W(mb, s)`` needs ``B(mb, s)``.
 
+Costs are per micro-batch through all of a rank's layers, so with v stages (chunks) per rank an
+action costs 1/v of its kind's cost; the ideal step is m(T_F+T_B+T_W) for every schedule.
+
 Activations of a (micro-batch, stage) pair are live from the start of its F to the end of its
 W (split backward) or BW; each live pair counts 1/v, so the unit is one micro-batch's
 activations through all of a rank's layers (the M_B of Qi et al. 2023).
@@ -65,7 +68,12 @@ _COSTS_EXAMPLE = "expected 'F,B,W' (e.g. 1,1,1) or 'F,BW' (e.g. 1,2: B and W get
 
 @dataclass
 class Costs:
-    """Seconds (or any unit) per compute action; ``comm`` is the latency of a cross-rank edge."""
+    """Compute times and the latency ``comm`` of a cross-rank edge, in seconds or any unit.
+
+    F, B and W are the times of one micro-batch through all of a rank's layers, as in the papers'
+    formulas (T_F, T_B, T_W), so with v stages per rank one action takes F/v (Narayanan et al. 2021:
+    interleaving shrinks the bubble because each chunk's actions are v times shorter). `per_stage`
+    values are times of one action, as measured."""
 
     F: float = 1.0
     B: float = 1.0
@@ -74,15 +82,16 @@ class Costs:
     per_stage: dict[tuple[str, int], float] = field(default_factory=dict)
     """(kind, stage) -> cost, overriding F/B/W (e.g. an embedding-heavy first stage)."""
 
-    def cost(self, kind: str, stage: int) -> float:
-        """Cost of one action; BW is B + W of that stage unless ("BW", stage) is given."""
+    def cost(self, kind: str, stage: int, v: int = 1) -> float:
+        """Cost of one action on `stage` when each rank holds `v` stages: an override as given, else
+        F, B or W over v; BW is B + W of that stage unless ("BW", stage) is given."""
         if (kind, stage) in self.per_stage:
             return self.per_stage[(kind, stage)]
         if kind == "BW":
-            return self.cost("B", stage) + self.cost("W", stage)
+            return self.cost("B", stage, v) + self.cost("W", stage, v)
         if kind not in ("F", "B", "W"):
             raise ValueError(f"no cost for action kind {kind!r}; valid: {', '.join(COMPUTE_KINDS)}")
-        return getattr(self, kind)
+        return getattr(self, kind) / v
 
     @classmethod
     def parse(cls, text: str, comm: float = 0.0) -> Costs:
@@ -107,7 +116,12 @@ class Costs:
     def from_events(cls, events: list[Event], comm: float | None = None) -> Costs:
         """Costs measured from a timeline: the median duration per (kind, stage) as overrides (robust
         to one slow step), the mean per kind as F/B/W. Communication is not separated from compute
-        in measured events, so ``comm`` is what the caller gives, or 0."""
+        in measured events, so ``comm`` is what the caller gives, or 0. F/B/W are per rank: the mean
+        action time times the most stages any rank ran."""
+        held: dict[int, set[int]] = {}
+        for e in events:
+            held.setdefault(e.rank, set()).add(e.stage)
+        v = max((len(s) for s in held.values()), default=1)
         by_kind: dict[str, list[float]] = {}
         by_stage: dict[tuple[str, int], list[float]] = {}
         for e in events:
@@ -116,9 +130,9 @@ class Costs:
         costs = cls(comm=0.0 if comm is None else comm)
         for kind in ("F", "B", "W"):
             if kind in by_kind:
-                setattr(costs, kind, statistics.fmean(by_kind[kind]))
+                setattr(costs, kind, v * statistics.fmean(by_kind[kind]))
         if "BW" in by_kind and "B" not in by_kind and "W" not in by_kind:
-            costs.B = costs.W = statistics.fmean(by_kind["BW"]) / 2
+            costs.B = costs.W = v * statistics.fmean(by_kind["BW"]) / 2
         costs.per_stage = {key: statistics.median(d) for key, d in sorted(by_stage.items())}
         return costs
 
@@ -135,6 +149,10 @@ class SimResult:
     peak_activations: list[float]
     """Per rank, in units of one micro-batch's activations through all of the rank's layers."""
     events: list[Event]
+    idle_within: list[float] = field(default_factory=list)
+    """Per rank: idle time between its first start and its last end. The papers' bubble counts this
+    (Qi et al. 2023 fig. 3: ZB-H2 is a parallelogram, each rank busy throughout its own span, and the
+    slant vanishes when one step's tail overlaps the next one's head)."""
     kind: str | None = None
     p: int | None = None
     m: int | None = None
@@ -149,6 +167,7 @@ class SimResult:
         out.update(
             makespan=self.makespan,
             busy=self.busy,
+            idle_within=self.idle_within,
             bubble_fraction=self.bubble_fraction,
             mean_bubble=self.mean_bubble,
             peak_activations=self.peak_activations,
@@ -176,6 +195,9 @@ def summarize(events: list[Event], p: int | None = None, v: int | None = None) -
     for e in events:
         busy[e.rank] += e.duration
     bubble = [1.0 - b / makespan if makespan > 0 else 0.0 for b in busy]
+    first = [min((e.start for e in events if e.rank == r), default=0.0) for r in range(p)]
+    last = [max((e.end for e in events if e.rank == r), default=0.0) for r in range(p)]
+    idle_within = [last[r] - first[r] - busy[r] for r in range(p)]
     # Live interval of each (rank, mb, stage): its F's start to the last of its backward actions' ends
     # (W for a split backward, BW otherwise); a pair never released is live to the end.
     born: dict[tuple[int, int, int], float] = {}
@@ -201,6 +223,7 @@ def summarize(events: list[Event], p: int | None = None, v: int | None = None) -
         bubble_fraction=bubble,
         peak_activations=[n / v for n in peak],
         events=sorted(events, key=lambda e: (e.rank, e.start, e.end)),
+        idle_within=idle_within,
         p=p,
         v=v,
     )
@@ -263,7 +286,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
                 start = clock[r]
                 for key in deps:
                     start = max(start, ready[key] + (costs.comm if where[key] != r else 0.0))
-                end = start + costs.cost(a.kind, a.stage)
+                end = start + costs.cost(a.kind, a.stage, schedule.v)
                 events.append(Event(r, a.kind, a.mb, a.stage, start, end))
                 for k in _provides(a.kind):
                     ready[(k, a.mb, a.stage)] = end
@@ -282,12 +305,14 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     return result
 
 
-def formula_bubble(kind: str, p: int, m: int, v: int, costs: Costs) -> float | None:
-    """The bubble fraction of the step the papers predict, or None where REFERENCE.md has no formula
+def formula_bubble_time(kind: str, p: int, m: int, v: int, costs: Costs) -> float | None:
+    """The bubble time the papers predict for one step, or None where REFERENCE.md has no formula
     (ZB-V) or the formula's assumptions fail (communication latency, per-stage costs).
 
-    Bubble times: GPipe / 1F1B (p-1)(T_F+T_B+T_W) (Huang et al. 2018; Narayanan et al. 2021);
-    interleaved that over v; ZB-H1 (p-1)(T_F+T_B-T_W), ZB-H2 (p-1)(T_F+T_B-2T_W) (Qi et al. 2023)."""
+    GPipe / 1F1B (p-1)(T_F+T_B+T_W) (Huang et al. 2018; Narayanan et al. 2021); interleaved that
+    over v (Narayanan et al. 2021); ZB-H1 (p-1)(T_F+T_B-T_W), ZB-H2 (p-1)(T_F+T_B-2T_W), at least 0
+    (Qi et al. 2023). For GPipe, 1F1B, interleaved and ZB-H1 it is rank 0's idle time, which spans
+    the whole step; for ZB-H2 it is the idle time within each rank's own span (`idle_within`)."""
     if costs.comm or costs.per_stage:
         return None
     f, b, w = costs.F, costs.B, costs.W
@@ -298,8 +323,14 @@ def formula_bubble(kind: str, p: int, m: int, v: int, costs: Costs) -> float | N
         "zb-h1": (p - 1) * (f + b - w),
         "zb-h2": (p - 1) * (f + b - 2 * w),
     }.get(kind)
+    return None if bubble is None else max(bubble, 0.0)
+
+
+def formula_bubble(kind: str, p: int, m: int, v: int, costs: Costs) -> float | None:
+    """`formula_bubble_time` as a fraction of the step m(T_F+T_B+T_W) + bubble; GPipe and 1F1B give
+    (p-1)/(m+p-1)."""
+    bubble = formula_bubble_time(kind, p, m, v, costs)
     if bubble is None:
         return None
-    bubble = max(bubble, 0.0)
-    step = m * (f + b + w) + bubble
+    step = m * (costs.F + costs.B + costs.W) + bubble
     return bubble / step if step > 0 else 0.0
