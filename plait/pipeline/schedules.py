@@ -1,0 +1,334 @@
+"""Pipeline schedule generators: GPipe, 1F1B, interleaved 1F1B and the Zero Bubble family.
+
+Each generator returns a compute-only :class:`~plait.pipeline.ir.Schedule` (F/B/W/BW actions);
+:func:`add_communication` inserts the SEND/RECV actions; :func:`make_schedule` validates its
+arguments, does both and checks the result with :func:`plait.pipeline.check.check_schedule`.
+
+Costs quoted below are in unit time, T_F = T_B = T_W = 1 (so BW = 2), no communication cost;
+a "bubble" is idle time inside the makespan of one step.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from plait.errors import ConfigError, ScheduleError
+from plait.pipeline.check import check_schedule
+from plait.pipeline.ir import Action, Schedule
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
+
+
+def default_virtual_stages(kind: str) -> int:
+    """Stages (model chunks) per rank a schedule uses unless told otherwise."""
+    return 2 if kind in ("interleaved", "zb-v") else 1
+
+
+def make_schedule(kind: str, p: int, m: int, v: int | None = None) -> Schedule:
+    """Validated schedule `kind` for p ranks and m micro-batches, with communication inserted.
+
+    Raises ConfigError naming the bad setting and the valid values.
+    """
+    if kind not in SCHEDULES:
+        raise ConfigError(f"pipeline schedule {kind!r} is not valid; valid: {', '.join(SCHEDULES)}")
+    for name, val in (("pipeline ranks (pp)", p), ("microbatches", m)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {val!r}")
+    if v is None:
+        v = default_virtual_stages(kind)
+    if kind == "interleaved":
+        if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+            raise ConfigError(
+                f"interleaved 1F1B needs v >= 2 virtual stages per rank, got v={v!r}; "
+                "valid: an integer >= 2 (use '1f1b' for v=1)"
+            )
+        _check_multiple(p, m)
+    elif v != default_virtual_stages(kind):
+        want = default_virtual_stages(kind)
+        raise ConfigError(
+            f"pipeline schedule {kind!r} needs v={want} virtual stage(s) per rank, got v={v!r}; valid: {want}"
+        )
+    compute = {
+        "gpipe": lambda: gpipe(p, m),
+        "1f1b": lambda: one_f_one_b(p, m),
+        "interleaved": lambda: interleaved(p, m, v),
+        "zb-h1": lambda: zb_h1(p, m),
+        "zb-h2": lambda: zb_h2(p, m),
+        "zb-v": lambda: zb_v(p, m),
+    }[kind]()
+    schedule = add_communication(compute)
+    check_schedule(schedule)  # cheap (linear); turns a generator bug into a clear error, not a hang
+    return schedule
+
+
+# -- placement and small helpers ---------------------------------------------------------------
+
+
+def _check_multiple(p: int, m: int) -> None:
+    if m % p:
+        raise ConfigError(
+            f"interleaved 1F1B needs microbatches to be a multiple of pp: m={m} is not a "
+            f"multiple of p={p} (valid e.g. {p}, {2 * p}, {3 * p})"
+        )
+
+
+def _plain(p: int) -> tuple[tuple[int, ...], ...]:
+    return tuple((r,) for r in range(p))
+
+
+def _looped(p: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """Interleaved placement (Narayanan et al. 2021, §2.2): rank r holds r, r+p, ..., r+(v-1)p."""
+    return tuple(tuple(r + c * p for c in range(v)) for r in range(p))
+
+
+def _vshape(p: int) -> tuple[tuple[int, ...], ...]:
+    """ZB-V placement (Qi et al. 2023, §5): rank r holds r and 2p-1-r, so rank 0 holds the first and
+    the last stage, and the turn of the "V" (stages p-1, p) is local to rank p-1."""
+    return tuple((r, 2 * p - 1 - r) for r in range(p))
+
+
+def _new(kind: str, p: int, m: int, v: int, stages, actions: list[list[tuple[str, int, int]]]) -> Schedule:
+    return Schedule(kind, p, m, v, stages, [[Action(k, mb, s) for k, mb, s in acts] for acts in actions])
+
+
+# -- the classic schedules -----------------------------------------------------------------------
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """GPipe (Huang et al. 2019): every forward, then every backward (BW), both in micro-batch order
+    0..m-1 (the order torch.distributed.pipelining uses), so the last stage starts the backward
+    of micro-batch 0 first. Peak activations: m micro-batches on every rank. Bubble (p-1)/(m+p-1)
+    of the step; unit-cost makespan 3(m+p-1)."""
+    return _new(
+        "gpipe",
+        p,
+        m,
+        1,
+        _plain(p),
+        [[("F", i, r) for i in range(m)] + [("BW", i, r) for i in range(m)] for r in range(p)],
+    )
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B / PipeDream-flush (Narayanan et al. 2021, §2.2.1; Harlap et al. 2018): rank r runs
+    min(p-1-r, m) warm-up forwards, then alternates one forward and one backward (BW), then drains
+    the remaining backwards. Rank r holds at most p-r micro-batches of activations (GPipe: m)
+    for the same bubble; unit-cost makespan 3(m+p-1)."""
+    actions = []
+    for r in range(p):
+        w = min(p - 1 - r, m)
+        acts = [("F", i, r) for i in range(w)]
+        for i in range(m - w):
+            acts += [("F", w + i, r), ("BW", i, r)]
+        acts += [("BW", i, r) for i in range(m - w, m)]
+        actions.append(acts)
+    return _new("1f1b", p, m, 1, _plain(p), actions)
+
+
+def interleaved(p: int, m: int, v: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, §2.2, Megatron-LM's
+    forward_backward_pipelining_with_interleaving): v model chunks per rank (stage c*p + r on rank r).
+    The k-th forward of a rank runs chunk (k mod pv) // p on micro-batch (k // pv)*p + k mod p,
+    i.e. groups of p micro-batches go through chunk 0, then chunk 1, ...; backwards mirror that with
+    the chunks reversed. Warm-up: min((p-r-1)*2 + (v-1)*p, m*v) forwards, then 1F1B, then cool-down.
+    Needs m % p == 0. Bubble (1/v)(p-1)/m of the ideal time."""
+    _check_multiple(p, m)
+    total = m * v
+
+    def unit(k: int, backward: bool) -> tuple[int, int]:
+        group, i = divmod(k, p * v)
+        chunk = i // p
+        return group * p + i % p, (v - 1 - chunk if backward else chunk)
+
+    actions = []
+    for r in range(p):
+        warm = min((p - r - 1) * 2 + (v - 1) * p, total)
+        order = [("F", k, False) for k in range(warm)]
+        for k in range(total - warm):
+            order += [("F", warm + k, False), ("BW", k, True)]
+        order += [("BW", k, True) for k in range(total - warm, total)]
+        acts = []
+        for kind, k, bwd in order:
+            mb, chunk = unit(k, bwd)
+            acts.append((kind, mb, chunk * p + r))
+        actions.append(acts)
+    return _new("interleaved", p, m, v, _looped(p, v), actions)
+
+
+# -- Zero Bubble (Qi et al. 2023) ----------------------------------------------------------------
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, §3.1, Figure 3 top): 1F1B with the backward split into B (input
+    gradient, on the critical path) and W (weight gradient, deferrable). Rank r keeps 1F1B's
+    warm-up (p-r forwards counting the first steady one), then after its i-th B runs W of
+    micro-batch i-r and the next F: its W's trail r micro-batches behind, and the last r fill the
+    tail that 1F1B leaves idle. At most p micro-batches are in flight (F done, W not) on any rank, like
+    1F1B's rank 0. Unit-cost makespan 3m + p - 1 for m >= p: the bubble is (p-1)(T_F+T_B-T_W),
+    a third of 1F1B's."""
+    actions = []
+    for r in range(p):
+        acts = [("F", i, r) for i in range(min(p - r, m))]
+        for i in range(m):
+            acts.append(("B", i, r))
+            if i >= r:
+                acts.append(("W", i - r, r))
+            if p - r + i < m:
+                acts.append(("F", p - r + i, r))
+        acts += [("W", i, r) for i in range(max(m - r, 0), m)]
+        actions.append(acts)
+    return _new("zb-h1", p, m, 1, _plain(p), actions)
+
+
+def zb_h2(p: int, m: int) -> Schedule:
+    """ZB-H2 (Qi et al. 2023, §3.1, Figure 3 bottom): up to 2p-1 micro-batches in flight per rank,
+    so the extra warm-up forwards fill the bubble before the first B and the W's fill the tail.
+    Built by the paper's kind of heuristic: a unit-cost list scheduler that at every free slot
+    picks a ready B, else a ready F if fewer than 2p-1 are in flight, else the oldest pending W.
+    Unit-cost makespan 3m + p - 1 for m >= p, the lower bound (the last rank cannot start before
+    p-1): once m >= 2p no rank idles between its first and last action, a parallelogram; the
+    paper's "zero bubble" counts its slant as overlapped with the neighbouring steps (§4)."""
+    return _greedy("zb-h2", p, m, 1, _plain(p), limit=2 * p - 1)
+
+
+def zb_v(p: int, m: int) -> Schedule:
+    """ZB-V (Qi et al. 2023, §5): two chunks per rank in the V placement (rank r: stages r and
+    2p-1-r), backward split into B and W, activation memory capped at 1F1B's peak: at most 2p
+    (micro-batch, chunk) pairs in flight per rank, i.e. p whole micro-batches. Built by the same
+    unit-cost list scheduler as ZB-H2, preferring the forward of the later chunk (it frees memory
+    sooner). Unit-cost makespan (every action on one chunk costs 1, so a rank's work is 6m): the
+    lower bound 6m + p - 1 for every m >= p when p <= 4; at most 4 more for p <= 8, m <= 5p."""
+    return _greedy("zb-v", p, m, 2, _vshape(p), limit=2 * p)
+
+
+def _greedy(kind: str, p: int, m: int, v: int, stages, limit: int) -> Schedule:
+    """Unit-cost list scheduler (T_F = T_B = T_W = 1, no communication cost): at every tick each
+    idle rank starts, in priority order, the B that became ready first, else a ready F (latest
+    stage first) if fewer than `limit` forwards await their W, else its oldest pending W."""
+    n = p * v
+    owner = {s: r for r, held in enumerate(stages) for s in held}
+    f_done: dict[tuple[int, int], int] = {}  # (mb, stage) -> finish tick of its F
+    next_f = [0] * n
+    ready_b: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]  # heap of (ready tick, mb, -stage)
+    pending_w: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]  # (finish tick of B, mb, stage)
+    in_flight = [0] * p
+    actions: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
+    left, t, busy_until = 3 * m * n, 0, 0
+    while left:
+        started = False
+        for r in range(p):
+            act = None
+            if ready_b[r] and ready_b[r][0][0] <= t:
+                _, mb, neg = heapq.heappop(ready_b[r])
+                s = -neg
+                act = ("B", mb, s)
+                if s > 0:  # the gradient it produces makes B of the stage below ready
+                    heapq.heappush(ready_b[owner[s - 1]], (t + 1, mb, 1 - s))
+                pending_w[r].append((t + 1, mb, s))
+            elif in_flight[r] < limit and (fs := _ready_forwards(stages[r], next_f, f_done, m, t)):
+                s = max(fs)
+                act = ("F", next_f[s], s)
+                f_done[(next_f[s], s)] = t + 1
+                next_f[s] += 1
+                in_flight[r] += 1
+                if s == n - 1:
+                    heapq.heappush(ready_b[r], (t + 1, act[1], -s))
+            elif pending_w[r] and pending_w[r][0][0] <= t:
+                _, mb, s = pending_w[r].pop(0)
+                act = ("W", mb, s)
+                in_flight[r] -= 1
+            if act is not None:
+                actions[r].append(act)
+                left -= 1
+                started = True
+                busy_until = t + 1
+        if not started and busy_until <= t:
+            raise ScheduleError(
+                f"{kind} list scheduler is stuck at tick {t} (p={p}, m={m}): every rank "
+                f"waits with {in_flight} forwards in flight; please report this"
+            )
+        t += 1
+    return _new(kind, p, m, v, stages, actions)
+
+
+def _ready_forwards(held, next_f: list[int], f_done: dict, m: int, t: int) -> list[int]:
+    """Stages of `held` whose next forward has its input at tick t."""
+    return [s for s in held if next_f[s] < m and (s == 0 or f_done.get((next_f[s], s - 1), t + 1) <= t)]
+
+
+# -- communication -------------------------------------------------------------------------------
+
+
+def add_communication(schedule: Schedule) -> Schedule:
+    """A copy of `schedule` with SEND_*/RECV_* actions for every tensor that crosses ranks (any
+    communication actions already there are dropped and rebuilt).
+
+    Placement: each rank's compute order is kept; its actions get unit-cost as-soon-as-possible
+    ticks (every compute action takes one tick). A tensor produced at tick t is sent right after
+    its producer, and the receiver posts the matching RECV at the same tick boundary, so both sides
+    of every message sit in the batch each rank posts at boundary t, ordered by (forward before
+    backward, micro-batch, stage) on both sides, which keeps every rank pair FIFO. Since every
+    batch at boundary t is matched by batches at boundary t, no rank ever waits on a later
+    boundary, and the schedule cannot deadlock under the rendezvous semantics of ir.py (a RECV
+    posted early only lets the runtime start the transfer early).
+    """
+    s = schedule
+    owner = {st: r for r, held in enumerate(s.stages) for st in held}
+    last = s.n_stages - 1
+    compute = [s.compute(r) for r in range(s.p)]
+    ticks = _unit_ticks(s, compute, owner)
+    batches: list[dict[int, list[tuple[tuple, Action]]]] = [{} for _ in range(s.p)]
+    for r, acts in enumerate(compute):
+        for a, t in zip(acts, ticks[r]):
+            if a.kind == "F" and a.stage < last and owner[a.stage + 1] != r:
+                q, key = owner[a.stage + 1], (0, a.mb, a.stage)
+                batches[r].setdefault(t, []).append((key, Action("SEND_F", a.mb, a.stage, q)))
+                batches[q].setdefault(t, []).append((key, Action("RECV_F", a.mb, a.stage + 1, r)))
+            elif a.kind in ("B", "BW") and a.stage > 0 and owner[a.stage - 1] != r:
+                q, key = owner[a.stage - 1], (1, a.mb, a.stage)
+                batches[r].setdefault(t, []).append((key, Action("SEND_B", a.mb, a.stage, q)))
+                batches[q].setdefault(t, []).append((key, Action("RECV_B", a.mb, a.stage - 1, r)))
+    actions = []
+    for r, acts in enumerate(compute):
+        at = dict(zip(ticks[r], acts))
+        out: list[Action] = []
+        for t in range(max([*ticks[r], *batches[r]], default=-1) + 1):
+            if t in at:
+                out.append(at[t])
+            out += [a for _, a in sorted(batches[r].get(t, []), key=lambda x: x[0])]
+        actions.append(out)
+    return Schedule(s.kind, s.p, s.m, s.v, s.stages, actions)
+
+
+def _unit_ticks(s: Schedule, compute: list[list[Action]], owner: dict[int, int]) -> list[list[int]]:
+    """Start tick of every compute action when each takes one tick and starts as soon as its rank
+    is free and its inputs exist (finished at an earlier tick)."""
+    last = s.n_stages - 1
+    done: dict[tuple[str, int, int], int] = {}  # ("F" | "G", mb, stage) -> finish tick; G: gradient
+    ticks: list[list[int]] = [[] for _ in compute]
+    pos = [0] * len(compute)
+    t = 0
+
+    def deps(a: Action) -> list[tuple[str, int, int]]:
+        if a.kind == "F":
+            return [("F", a.mb, a.stage - 1)] if a.stage > 0 else []
+        if a.kind in ("B", "BW"):
+            return [("F", a.mb, a.stage)] + ([("G", a.mb, a.stage + 1)] if a.stage < last else [])
+        return []  # W: after its B, which precedes it on the same rank
+
+    while any(pos[r] < len(compute[r]) for r in range(len(compute))):
+        started = []
+        for r, acts in enumerate(compute):
+            if pos[r] < len(acts) and all(done.get(d, t + 1) <= t for d in deps(acts[pos[r]])):
+                started.append(acts[pos[r]])
+                ticks[r].append(t)
+                pos[r] += 1
+        if not started:
+            stuck = [
+                f"rank {r} at {compute[r][pos[r]]}" for r in range(len(compute)) if pos[r] < len(compute[r])
+            ]
+            raise ScheduleError(f"{s.kind} schedule: the compute order deadlocks: {'; '.join(stuck)}")
+        for a in started:
+            done[("G" if a.kind in ("B", "BW") else a.kind, a.mb, a.stage)] = t + 1
+        t += 1
+    return ticks
