@@ -78,7 +78,9 @@ def _pipeline_run(mesh, kind, m, v=None, tp=False):
         x, y = x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows]
         loss_sum = engine.train_step(list(x.chunk(m)), list(y.chunk(m)), 1.0 / tokens)
         if grads is None:
-            grads = {n: _whole_grad(p, mesh) if tp else p.grad.clone() for n, p in engine.raw.named_parameters()}
+            grads = {
+                n: _whole_grad(p, mesh) if tp else p.grad.clone() for n, p in engine.raw.named_parameters()
+            }
         engine.clip_grad_norm_(0.5)
         engine.step()
         engine.zero_grad()

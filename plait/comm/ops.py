@@ -260,7 +260,9 @@ def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], mesh: Mesh, axis
     except Exception as exc:
         for entry in entries:
             mesh.recorder.complete(entry)
-        raise CommError(f"rank {mesh.global_rank}: batched send/recv on axis '{axis}' failed to start: {exc}") from exc
+        raise CommError(
+            f"rank {mesh.global_rank}: batched send/recv on axis '{axis}' failed to start: {exc}"
+        ) from exc
     handles = []
     for (kind, tensor, _), entry, work in zip(ops, entries, works, strict=True):
         entry.work = work

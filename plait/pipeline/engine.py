@@ -79,7 +79,9 @@ class PipelineEngine:
         self.module = self.raw
         self.runtime = PipelineRuntime(self.stages, self.schedule, mesh, recompute=recompute)
         self.runtime.on_stage_done = self._stage_done
-        self.optimizer = optimizer(param_groups(self.raw) if param_groups is not None else list(self.raw.parameters()))
+        self.optimizer = optimizer(
+            param_groups(self.raw) if param_groups is not None else list(self.raw.parameters())
+        )
 
         # Tied embedding/head: one Parameter held by stage 0 and the last stage. On different
         # ranks each keeps a copy whose gradients are summed over pp; the head's copy is not
@@ -89,7 +91,11 @@ class PipelineEngine:
         tie = getattr(getattr(model, "cfg", None), "tie_weights", False)
         if tie and self.schedule.rank_of(first) != self.schedule.rank_of(last):
             self.tied_shape = model.wte.weight.shape
-            self._tied = model.wte.weight if self.rank in (self.schedule.rank_of(first), self.schedule.rank_of(last)) else None
+            self._tied = (
+                model.wte.weight
+                if self.rank in (self.schedule.rank_of(first), self.schedule.rank_of(last))
+                else None
+            )
             self._tied_counted = self.rank == self.schedule.rank_of(first)
         # which held stages use each parameter: a shared one is reduced after all of them
         self._users: dict[int, set[int]] = {}
@@ -175,8 +181,9 @@ class PipelineEngine:
         for i, e in enumerate(self.runtime.events):
             rows[i] = torch.tensor([codes[e.kind], e.mb, e.stage, e.start, e.end], dtype=torch.float64)
         rows = rows.to(self.mesh.device)
-        out = torch.empty((self.schedule.p, n, 5), dtype=torch.float64, device=self.mesh.device)
+        out = torch.empty((self.schedule.p * n, 5), dtype=torch.float64, device=self.mesh.device)
         comm.all_gather(out, rows, self.mesh, "pp")
+        out = out.view(self.schedule.p, n, 5)
         kinds = {v: k for k, v in codes.items()}
         events = []
         for r in range(self.schedule.p):

@@ -128,7 +128,9 @@ class PipelineRuntime:
         comm.send(header, self.mesh, self.axis, peer)
 
     def _recv_header_and_tensor(self, peer: int) -> torch.Tensor:
-        header = comm.recv(torch.zeros(8, dtype=torch.int64, device=self.mesh.device), self.mesh, self.axis, peer)
+        header = comm.recv(
+            torch.zeros(8, dtype=torch.int64, device=self.mesh.device), self.mesh, self.axis, peer
+        )
         ndim, dtype = int(header[0]), self._DTYPES[int(header[1])]
         shape = torch.Size(int(d) for d in header[2 : 2 + ndim])
         return comm.recv(torch.empty(shape, dtype=dtype, device=self.mesh.device), self.mesh, self.axis, peer)
@@ -190,15 +192,18 @@ class PipelineRuntime:
             if record:
                 if cuda:
                     torch.cuda.synchronize()
-                self.events.append(Event(self.rank, a.kind, a.mb, a.stage, start - t0, time.perf_counter() - t0))
+                self.events.append(
+                    Event(self.rank, a.kind, a.mb, a.stage, start - t0, time.perf_counter() - t0)
+                )
             self._sends = [h for h in self._sends if not h.is_completed()]
             i += 1
         for h in self._sends:
             h.wait()
         if self._pending or self._x or self.store:
             raise PipelineError(
-                f"pipeline rank {self.rank}: the step ended with work left (receives {sorted(self._pending)}, "
-                f"activations {sorted(self._x)}, weight gradients {len(self.store)}); the schedule is incomplete"
+                f"pipeline rank {self.rank}: the step ended with work left (receives "
+                f"{sorted(self._pending)}, activations {sorted(self._x)}, weight gradients "
+                f"{len(self.store)}); the schedule is incomplete"
             )
         self._sends = []
         return self._loss
@@ -214,7 +219,9 @@ class PipelineRuntime:
                 shape, dtype = self._input_shape(a.stage if a.kind == "RECV_F" else a.stage + 1)
                 ops.append(("recv", torch.empty(shape, dtype=dtype, device=self.mesh.device), a.peer))
             keys.append((a.kind, a.mb, a.stage))
-        for (kind, *_), key, handle in zip(ops, keys, comm.batch_isend_irecv(ops, self.mesh, self.axis), strict=True):
+        for (kind, *_), key, handle in zip(
+            ops, keys, comm.batch_isend_irecv(ops, self.mesh, self.axis), strict=True
+        ):
             if kind == "send":
                 self._sends.append(handle)
             else:
@@ -256,7 +263,7 @@ class PipelineRuntime:
                 grad = self._grad_in.pop(key)
             else:
                 grad = self._received("RECV_B", a.mb, a.stage)
-            with self._mode, (self.store.collect(key) if a.kind == "B" else contextlib.nullcontext()):
+            with self._mode, self.store.collect(key) if a.kind == "B" else contextlib.nullcontext():
                 torch.autograd.backward(y, grad)
             if a.stage > 0:
                 if self.schedule.rank_of(a.stage - 1) == self.rank:
@@ -304,7 +311,9 @@ class PipelineRuntime:
                     x = outs.pop(mb)
                 else:
                     shape, dtype = self._input_shape(s)
-                    x = comm.recv(torch.empty(shape, dtype=dtype, device=self.mesh.device), self.mesh, self.axis, prev)
+                    x = comm.recv(
+                        torch.empty(shape, dtype=dtype, device=self.mesh.device), self.mesh, self.axis, prev
+                    )
                 if s == self.last_stage:
                     total += self.stages[s](x, targets[mb]).double()
                     continue

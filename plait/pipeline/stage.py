@@ -125,7 +125,9 @@ class GPTStage(nn.Module):
 
     def extra_repr(self) -> str:
         parts = (["embeddings"] if self.is_first else []) + [f"blocks {self.lo}..{self.hi - 1}"]
-        return f"stage {self.index} of {self.n_stages}: " + ", ".join(parts + (["head"] if self.is_last else []))
+        return f"stage {self.index} of {self.n_stages}: " + ", ".join(
+            parts + (["head"] if self.is_last else [])
+        )
 
 
 def split_gpt(model, n_stages: int, split: str | Callable = "uniform") -> list[GPTStage]:
@@ -144,7 +146,12 @@ class SequentialStage(nn.Module):
 
     def __init__(self, layers: nn.Sequential, index: int, n_stages: int, lo: int, hi: int, loss_fn=None):
         super().__init__()
-        self.index, self.n_stages, self.is_first, self.is_last = index, n_stages, index == 0, index == n_stages - 1
+        self.index, self.n_stages, self.is_first, self.is_last = (
+            index,
+            n_stages,
+            index == 0,
+            index == n_stages - 1,
+        )
         self.layers = nn.ModuleDict({str(i): layers[i] for i in range(lo, hi)})
         self._loss_fn = loss_fn
 
@@ -178,6 +185,8 @@ def split_sequential(
     else:
         cost = param_cost if split == "params" else split
         if not callable(cost):
-            raise PipelineError(f"split = {split!r} is not valid; valid: {', '.join(SPLITS)} or a cost function")
+            raise PipelineError(
+                f"split = {split!r} is not valid; valid: {', '.join(SPLITS)} or a cost function"
+            )
         bounds = balanced_bounds([max(cost(str(i), m), 1.0) for i, m in enumerate(seq)], n_stages)
     return [SequentialStage(seq, i, n_stages, bounds[i], bounds[i + 1], loss_fn) for i in range(n_stages)]

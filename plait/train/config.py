@@ -94,7 +94,12 @@ class ParallelConfig:
 
     dp: int = _f(2, "data-parallel degree")
     tp: int = _f(1, "tensor-parallel degree (Megatron-LM: heads, MLP and vocabulary split over tp ranks)")
-    pp: int = _f(1, "pipeline-parallel degree (issue #5; only 1 for now)")
+    pp: int = _f(1, "pipeline-parallel degree: the model's blocks cut into pp x virtual_stages stages")
+    schedule: str = _f("1f1b", "pipeline schedule (pp > 1): gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v")
+    microbatches: int = _f(0, "pipeline micro-batches per step (pp > 1); 0 = 2 x pp")
+    virtual_stages: int = _f(
+        0, "stages per pipeline rank: 0 = the schedule's own (2 for interleaved and zb-v)"
+    )
     ep: int = _f(1, "expert-parallel degree (only 1 for now)")
     bucket_mb: float = _f(25.0, "gradient bucket size in MB for the data-parallel all-reduce")
     sequence_parallel: bool = _f(
@@ -305,12 +310,11 @@ def validate(cfg: Config) -> None:
     t, p = cfg.train, cfg.parallel
     for name in ("dp", "tp", "pp", "ep"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-    for name in ("pp", "ep"):
-        _require(
-            getattr(p, name) == 1,
-            f"parallel.{name} = {getattr(p, name)} is not available yet: data (dp) and tensor (tp) "
-            f"parallelism are implemented in this version; set parallel.{name} = 1",
-        )
+    _require(
+        p.ep == 1,
+        f"parallel.ep = {p.ep} is not available yet: data, tensor and pipeline parallelism are "
+        "implemented in this version; set parallel.ep = 1",
+    )
     _require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
     for name in ("steps", "global_batch", "micro_batches", "log_every", "eval_batches", "keep_checkpoints"):
         _require(getattr(t, name) >= 1, f"train.{name} must be >= 1, got {getattr(t, name)}")
@@ -390,7 +394,68 @@ def validate(cfg: Config) -> None:
         p.tp == 1 or cfg.comm.compression == "none",
         "comm.compression with parallel.tp > 1 is not available; set comm.compression = 'none'",
     )
-    _require(m.n_layer % p.pp == 0, f"model.n_layer = {m.n_layer} is not divisible by parallel.pp = {p.pp}")
+    _validate_pipeline(cfg, m.n_layer)
+
+
+def _validate_pipeline(cfg: Config, n_layer: int) -> None:
+    """Pipeline settings (plait.pipeline): checked here, before any process starts."""
+    from plait.pipeline.schedules import SCHEDULES, make_schedule
+
+    p, t = cfg.parallel, cfg.train
+    _require(
+        p.schedule in SCHEDULES,
+        f"parallel.schedule = {p.schedule!r} is not valid; valid: {', '.join(SCHEDULES)}",
+    )
+    _require(p.microbatches >= 0, f"parallel.microbatches must be >= 0, got {p.microbatches}")
+    _require(p.virtual_stages >= 0, f"parallel.virtual_stages must be >= 0, got {p.virtual_stages}")
+    if p.pp == 1:
+        return
+    m, v = pipeline_shape(cfg)
+    try:
+        make_schedule(p.schedule, p.pp, m, v)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"[parallel] pp = {p.pp}, schedule = {p.schedule!r}, microbatches = {m}: {exc}"
+        ) from None
+    n = p.pp * v
+    if n_layer % n:
+        valid = [k for k in range(1, n_layer + 1) if n_layer % k == 0]
+        raise ConfigError(
+            f"model.n_layer = {n_layer} is not divisible into parallel.pp x virtual_stages = {p.pp} x {v} = "
+            f"{n} pipeline stages; pp x virtual_stages must be one of {valid}"
+        )
+    _require(
+        t.micro_batches == 1,
+        f"train.micro_batches = {t.micro_batches} with parallel.pp = {p.pp}: the pipeline splits each "
+        "step's batch itself; set train.micro_batches = 1 and parallel.microbatches instead",
+    )
+    rows = t.global_batch // p.dp
+    _require(
+        rows % m == 0,
+        f"train.global_batch = {t.global_batch} gives {rows} rows per dp rank, not divisible into "
+        f"parallel.microbatches = {m} pipeline micro-batches; use a global_batch multiple of {p.dp * m}",
+    )
+    _require(
+        p.zero_stage == 0,
+        f"parallel.pp = {p.pp} with parallel.zero_stage = {p.zero_stage}: ZeRO within pipeline stages is "
+        "not available yet; use zero_stage = 0",
+    )
+    _require(
+        cfg.comm.compression == "none",
+        "comm.compression with parallel.pp > 1 is not available; set comm.compression = 'none'",
+    )
+    _require(
+        not p.sequence_parallel,
+        "parallel.sequence_parallel with parallel.pp > 1 is not available yet; set it to false",
+    )
+
+
+def pipeline_shape(cfg: Config) -> tuple[int, int]:
+    """(micro-batches, virtual stages per rank) of the configured pipeline, defaults resolved."""
+    from plait.pipeline.schedules import default_virtual_stages
+
+    p = cfg.parallel
+    return (p.microbatches or 2 * p.pp), (p.virtual_stages or default_virtual_stages(p.schedule))
 
 
 def _validate_zero(cfg: Config) -> None:

@@ -31,7 +31,7 @@ from plait.optim import allreduce_norms, param_groups
 from plait.optim import build_optimizer as make_optimizer
 from plait.tensor_parallel import apply_tp, without_sequence_parallel
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from plait.train.config import Config, model_config
+from plait.train.config import Config, model_config, pipeline_shape
 from plait.train.metrics import MetricsWriter, peak_memory_bytes, plot_loss_curve, read_metrics
 from plait.train.peak import peak_flops_per_rank
 from plait.train.recompute import apply_activation_checkpointing
@@ -61,6 +61,21 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path):
             betas=(t.beta1, t.beta2),
             momentum=cfg.optim.momentum,
             norm_reducer=reducer,
+        )
+
+    if p.pp > 1:
+        from plait.pipeline.engine import PipelineEngine
+
+        m, v = pipeline_shape(cfg)
+        return PipelineEngine(
+            raw,
+            mesh,
+            factory,
+            schedule=p.schedule,
+            microbatches=m,
+            virtual_stages=v,
+            recompute=t.activation_checkpointing,
+            param_groups=lambda part: param_groups(part, t.weight_decay),
         )
 
     c = cfg.comm
@@ -94,6 +109,13 @@ def describe_engine(cfg: Config, engine) -> str:
     tp = ""
     if p.tp > 1:
         tp = f"tensor parallel over {p.tp}" + (" + sequence parallel" if p.sequence_parallel else "") + ", "
+    if p.pp > 1:
+        s = engine.schedule
+        what = (
+            f"{tp}pipeline over {p.pp} ({s.kind}, {s.m} micro-batches, {s.n_stages} stages: this rank "
+            f"holds {list(s.stages[engine.rank])}), data parallel over {p.dp}"
+        )
+        return f"{what} | precision: {'bf16 autocast, fp32 parameters' if cfg.train.bf16 else 'fp32'}"
     if p.zero_stage == 0:
         what = f"{tp}data parallel over {p.dp}, {len(engine.module.buckets)} gradient bucket(s)"
         precision = "bf16 autocast, fp32 parameters" if cfg.train.bf16 else "fp32"
@@ -112,8 +134,11 @@ def describe_engine(cfg: Config, engine) -> str:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches, mesh: Mesh, device: torch.device, bf16: bool) -> float:
-    """Mean held-out loss per token; each dp rank evaluates its rows of every batch."""
+def evaluate(
+    model: torch.nn.Module, batches, mesh: Mesh, device: torch.device, bf16: bool, pipeline=None
+) -> float:
+    """Mean held-out loss per token; each dp rank evaluates its rows of every batch (through
+    the pipeline's stages, forward only, when `pipeline` is a PipelineEngine)."""
     was_training = model.training
     model.eval()
     n, r = mesh.size("dp"), mesh.rank("dp")
@@ -122,10 +147,14 @@ def evaluate(model: torch.nn.Module, batches, mesh: Mesh, device: torch.device, 
         rows = x.shape[0] // n
         xs, ys = x[r * rows : (r + 1) * rows].to(device), y[r * rows : (r + 1) * rows].to(device)
         with _autocast(device, bf16):
-            total += float(model(xs, ys, reduction="sum"))
+            if pipeline is not None:
+                m = pipeline.schedule.m if rows % pipeline.schedule.m == 0 else 1
+                total += float(pipeline.eval_loss_sum(list(xs.chunk(m)), list(ys.chunk(m))))
+            else:
+                total += float(model(xs, ys, reduction="sum"))
         count += ys.numel()
     model.train(was_training)
-    total = comm.all_reduce_scalar(total, mesh, ("dp",))
+    total = comm.all_reduce_scalar(total, mesh, ("dp", "pp"))
     count = comm.all_reduce_scalar(count, mesh, ("dp",))
     return total / count
 
@@ -205,8 +234,15 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     mcfg = model_config(cfg)
     corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)
     dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
+    pipelined = cfg.parallel.pp > 1
     sampler = DistributedBatchSampler(
-        corpus.train, mcfg.seq_len, t.global_batch, dp_rank, dp, t.seed, micro_batches=t.micro_batches
+        corpus.train,
+        mcfg.seq_len,
+        t.global_batch,
+        dp_rank,
+        dp,
+        t.seed,
+        micro_batches=pipeline_shape(cfg)[0] if pipelined else t.micro_batches,
     )
     val = eval_batches(corpus.val, mcfg.seq_len, t.global_batch, t.eval_batches)
 
@@ -222,7 +258,7 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
             sequence_parallel=cfg.parallel.sequence_parallel,
             seed=t.seed + 1000 * (1 + mesh.rank("dp")),
         )
-    if t.activation_checkpointing:
+    if t.activation_checkpointing and cfg.parallel.pp == 1:  # a pipeline recomputes per stage
         apply_activation_checkpointing(raw)
     engine = build_engine(raw, cfg, mesh, run_dir)
     model, optimizer = engine.module, engine.optimizer
@@ -270,6 +306,8 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
         file=sys.stderr,
     )
     model.train()
+    # the step whose action timings are recorded and drawn (pipelines): the third, after warm-up
+    timeline_step = min(start + 3, last) if pipelined else -1
     window_t0, window_steps, loss, val_loss = time.perf_counter(), 0, float("nan"), None
     fault = _injected_fault()
     for step in range(start + 1, last + 1):
@@ -287,6 +325,21 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
         step_t0 = time.perf_counter()
         micro = sampler.next_batch()
         local_sum = torch.zeros((), dtype=torch.float64, device=device)
+        if pipelined:
+            record = step == timeline_step
+            if record:
+                comm.barrier(mesh, "pp")  # one start line for the measured timeline
+                step_t0 = time.perf_counter()
+            with _autocast(device, t.bf16):
+                local_sum += engine.train_step(
+                    [x.to(device) for x, _ in micro],
+                    [y.to(device) for _, y in micro],
+                    1.0 / local_tokens,
+                    record,
+                )
+            if record:
+                _write_timeline(engine, mesh, run_dir, time.perf_counter() - step_t0)
+            micro = []
         for i, (x, y) in enumerate(micro):
             sync = contextlib.nullcontext() if i == len(micro) - 1 else engine.no_sync()
             with sync:
@@ -300,7 +353,7 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
         scheduler.step()
         engine.zero_grad(set_to_none=True)
         mesh.ledger.set_step(-1)  # the loss report is not part of the step's traffic
-        loss = comm.all_reduce_scalar(float(local_sum), mesh, ("dp",)) / tokens_per_step
+        loss = comm.all_reduce_scalar(float(local_sum), mesh, ("dp", "pp")) / tokens_per_step
         step_time = time.perf_counter() - step_t0
         window_steps += 1
         record = {
@@ -333,7 +386,7 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
             if step == t.steps:
                 engine.finish()  # the final held-out loss is of the final parameters
-            val_loss = evaluate(raw, val, mesh, device, t.bf16)
+            val_loss = evaluate(raw, val, mesh, device, t.bf16, engine if pipelined else None)
             record["val_loss"] = val_loss
             _say(
                 mesh,
@@ -351,6 +404,46 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     summary = _finish(cfg, mesh, raw, corpus, run_dir, last, loss, val_loss, n_params, engine.memory())
     engine.close()
     return summary
+
+
+def _write_timeline(engine, mesh: Mesh, run_dir: Path, step_time: float) -> None:
+    """The measured action timeline of one pipelined step beside the simulator's prediction
+    from the same action costs: pipeline_timeline.{json,png} in the run directory."""
+    from plait.pipeline.render import render_png
+    from plait.pipeline.simulate import Costs, simulate
+
+    events = engine.gather_events()
+    if not mesh.is_rank0:
+        return
+    sim = simulate(engine.schedule, Costs.from_events(events))
+    s = engine.schedule
+    (run_dir / "pipeline_timeline.json").write_text(
+        json.dumps(
+            {
+                "schedule": s.kind,
+                "p": s.p,
+                "m": s.m,
+                "v": s.v,
+                "measured_step_s": step_time,
+                "simulated_makespan_s": sim.makespan,
+                "simulated": sim.to_json(),
+                "events": [e.to_dict() for e in events],
+            },
+            indent=1,
+        )
+    )
+    render_png(
+        [
+            (f"measured ({s.kind})", events, s.p),
+            (f"simulated from the measured action costs ({s.kind})", sim, s.p),
+        ],
+        run_dir / "pipeline_timeline.png",
+    )
+    _say(
+        mesh,
+        f"plait: pipeline step measured {step_time * 1e3:.1f} ms, simulated {sim.makespan * 1e3:.1f} ms "
+        f"from the measured action costs; timelines in {run_dir / 'pipeline_timeline.png'}",
+    )
 
 
 def _fill_disk() -> None:
@@ -403,7 +496,9 @@ def _finish(
         "model_state_bytes_per_rank": memory,
     }
     sample = None
-    if cfg.train.sample_tokens and step == cfg.train.steps:
+    if cfg.train.sample_tokens and step == cfg.train.steps and cfg.parallel.pp > 1:
+        _say(mesh, "plait: no text sample under pipeline parallelism (each rank holds part of the model)")
+    elif cfg.train.sample_tokens and step == cfg.train.steps:
         # every rank generates: under ZeRO-3 each forward gathers parameters from all of them
         prompt = corpus.encode("The ").unsqueeze(0).to(mesh.device)
         gen = torch.Generator(device=mesh.device).manual_seed(cfg.train.seed)

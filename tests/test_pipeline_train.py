@@ -1,0 +1,98 @@
+"""`plait train` with pipeline parallelism: the same losses as data parallelism, a measured and a
+simulated timeline written beside the run, resume from a pipelined checkpoint, and bad pipeline
+configs rejected before any process starts."""
+
+import json
+import shutil
+
+import pytest
+from test_train_run import TINY, losses, plait_train
+
+from plait.errors import ConfigError
+from plait.train.config import load_config
+
+# 4 blocks: pp=2 x 2 virtual stages for interleaved and ZB-V
+PP = ("--model.n_layer", "4", "--parallel.dp", "1", "--parallel.pp", "2")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pp")
+    out = {}
+    for name, extra in (
+        ("dp", ("--model.n_layer", "4", "--parallel.dp", "2")),
+        ("1f1b", (*PP, "--parallel.schedule", "1f1b")),
+        ("zb-v", (*PP, "--parallel.schedule", "zb-v", "--parallel.microbatches", "4")),
+        ("cut", (*PP, "--parallel.schedule", "1f1b", "--train.stop_at", "4")),
+    ):
+        run = base / name
+        r = plait_train(*TINY, *extra, "--train.run_dir", str(run))
+        assert r.returncode == 0, r.stderr
+        out[name] = (run, r)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-v"])
+def test_pipelined_runs_match_data_parallel(runs, kind):
+    run, r = runs[kind]
+    assert f"pipeline over 2 ({kind}" in r.stdout
+    want, got = losses(runs["dp"][0]), losses(run)
+    assert sorted(got) == sorted(want)
+    for step, value in want.items():
+        assert abs(got[step] - value) <= 1e-5 * abs(value), (kind, step, got[step], value)
+    summary = json.loads((run / "summary.json").read_text())
+    dp_summary = json.loads((runs["dp"][0] / "summary.json").read_text())
+    assert abs(summary["val_loss"] - dp_summary["val_loss"]) <= 1e-5 * dp_summary["val_loss"]
+
+
+def test_timeline_files(runs):
+    run, r = runs["zb-v"]
+    timeline = json.loads((run / "pipeline_timeline.json").read_text())
+    assert timeline["schedule"] == "zb-v" and timeline["p"] == 2 and timeline["v"] == 2
+    kinds = {e["kind"] for e in timeline["events"]}
+    assert kinds == {"F", "B", "W"}
+    assert len(timeline["events"]) == 3 * 2 * 2 * 4  # F, B, W x 2 ranks x 2 stages x 4 micro-batches
+    assert timeline["simulated_makespan_s"] > 0 and timeline["measured_step_s"] > 0
+    assert (run / "pipeline_timeline.png").stat().st_size > 1000
+    assert "simulated" in r.stdout
+
+
+def test_pipelined_checkpoint_resumes(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs["cut"][0], run)
+    r = plait_train("--resume", str(run))
+    assert r.returncode == 0, r.stderr
+    want, got = losses(runs["1f1b"][0]), losses(run)
+    for step in range(5, 9):
+        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"parallel": {"pp": 2, "schedule": "pipedream"}},
+            "valid: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v",
+        ),
+        (
+            {"parallel": {"pp": 2, "schedule": "interleaved", "microbatches": 3}, "model": {"n_layer": 4}},
+            "multiple of",
+        ),
+        ({"parallel": {"pp": 2, "schedule": "interleaved"}, "model": {"n_layer": 2}}, "not divisible into"),
+        ({"parallel": {"pp": 3}, "model": {"n_layer": 4}}, "not divisible into"),
+        ({"parallel": {"pp": 2, "zero_stage": 1}}, "ZeRO within pipeline stages"),
+        ({"parallel": {"pp": 2}, "train": {"micro_batches": 2}}, "parallel.microbatches instead"),
+    ],
+)
+def test_bad_pipeline_configs_rejected(tmp_path, overrides, message):
+    import tomllib  # noqa: F401  (the config format)
+
+    lines = []
+    for section, values in overrides.items():
+        lines.append(f"[{section}]")
+        for k, v in values.items():
+            lines.append(f"{k} = {json.dumps(v)}")
+    path = tmp_path / "c.toml"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
