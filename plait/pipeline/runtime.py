@@ -80,7 +80,8 @@ class PipelineRuntime:
         self.last_stage = schedule.n_stages - 1
         self.recompute = set(stages) if recompute is True else set(recompute or ())
         self.store = WeightGradStore()
-        self._mode = DeferredLinears(self.store)
+        # only schedules with W actions route linear layers through the splittable Function
+        self._mode = DeferredLinears(self.store) if schedule.split_backward else contextlib.nullcontext()
         self.on_stage_done: Callable[[int], None] | None = None
         self.shapes: dict[int, tuple[torch.Size, torch.dtype]] | None = None  # output of stage s
         self.events: list[Event] = []

@@ -88,10 +88,16 @@ class _Linear(torch.autograd.Function):
         if ctx.store.collecting:
 
             def work():
+                # accumulate in place (addmm_): no weight-sized temporary per micro-batch
                 with torch.no_grad():
-                    gw, gb = weight_grads()
-                    _accumulate(weight, gw)
-                    _accumulate(bias, gb)
+                    g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
+                    if need_w:
+                        if weight.grad is None:
+                            weight.grad = g2.t().mm(x2.to(g2.dtype)).to(weight.dtype)
+                        else:
+                            weight.grad.addmm_(g2.t().to(weight.dtype), x2.to(weight.dtype))
+                    if need_b:
+                        _accumulate(bias, g2.sum(0))
 
             ctx.store.put(work)
             return gx, None, None, None
