@@ -51,7 +51,7 @@ def _reference():
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _pipeline_run(mesh, kind, m, v=None, tp=False):
+def _pipeline_run(mesh, kind, m, v=None, tp=False, recompute=False):
     """Train STEPS steps with `kind`; returns (losses, first-step grads, params) of this rank's part."""
     from plait import comm
     from plait.pipeline.engine import PipelineEngine
@@ -69,6 +69,7 @@ def _pipeline_run(mesh, kind, m, v=None, tp=False):
         microbatches=m,
         virtual_stages=v,
         param_groups=lambda mod: param_groups(mod, 0.1),
+        recompute=recompute,
     )
     dp, r = mesh.size("dp"), mesh.rank("dp")
     rows = BATCH // dp
@@ -113,6 +114,9 @@ def _all_schedules(p):
     for kind in SCHEDULES:
         v = 2 if kind in ("interleaved", "zb-v") else 1
         out[kind] = _pipeline_run(mesh, kind, m=2 * p, v=v)
+    if p == 2:  # activation checkpointing per stage, with and without the B/W split
+        for kind in ("1f1b", "zb-h1"):
+            out[kind + "+recompute"] = _pipeline_run(mesh, kind, m=4, recompute=True)
     mesh.close()
     return out
 
@@ -137,8 +141,9 @@ def _check(results, ref, what):
 def test_every_schedule_matches_one_process(p):
     ref = _reference()
     per_rank = run_ranks(_all_schedules, p, args=(p,))
-    for kind in SCHEDULES:
+    for kind in per_rank[0]:
         _check([r[kind] for r in per_rank], ref, f"pp={p} {kind}")
+    assert set(per_rank[0]) >= set(SCHEDULES)
 
 
 def _dp_and_tp():

@@ -248,13 +248,12 @@ class PipelineRuntime:
                 x = self._y[(a.mb, a.stage - 1)].detach().requires_grad_()
             else:
                 x = self._received("RECV_F", a.mb, a.stage).requires_grad_()
-            with self._mode:
-                if a.stage == self.last_stage:
-                    loss = self._call(a.stage, x, self._targets[a.mb])
-                    self._loss += loss.detach().double()
-                    y = loss * self._scale
-                else:
-                    y = self._call(a.stage, x)
+            if a.stage == self.last_stage:
+                loss = self._call(a.stage, x, self._targets[a.mb])
+                self._loss += loss.detach().double()
+                y = loss * self._scale
+            else:
+                y = self._call(a.stage, x)
             self._x[key], self._y[key] = x, y
         elif a.kind in ("B", "BW"):
             x, y = self._x.pop(key), self._y.pop(key)
@@ -264,7 +263,7 @@ class PipelineRuntime:
                 grad = self._grad_in.pop(key)
             else:
                 grad = self._received("RECV_B", a.mb, a.stage)
-            with self._mode, self.store.collect(key) if a.kind == "B" else contextlib.nullcontext():
+            with self.store.collect(key) if a.kind == "B" else contextlib.nullcontext():
                 torch.autograd.backward(y, grad)
             if a.stage > 0:
                 if self.schedule.rank_of(a.stage - 1) == self.rank:
@@ -280,8 +279,14 @@ class PipelineRuntime:
 
     def _call(self, stage: int, *args) -> torch.Tensor:
         if stage in self.recompute:  # keep only the stage input; recompute the rest in backward
-            return checkpoint(self.stages[stage], *args, use_reentrant=False)
-        return self.stages[stage](*args)
+            return checkpoint(self._forward, stage, *args, use_reentrant=False)
+        return self._forward(stage, *args)
+
+    def _forward(self, stage: int, *args) -> torch.Tensor:
+        # the mode is entered here, inside what checkpoint replays, so a recomputed forward
+        # builds the same splittable linear nodes as the original one
+        with self._mode:
+            return self.stages[stage](*args)
 
     def _done(self, stage: int) -> None:
         self._left[stage] -= 1

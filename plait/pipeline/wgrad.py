@@ -71,13 +71,15 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, store):
         ctx.save_for_backward(x, weight)
-        ctx.bias, ctx.store = bias, store
+        # the parameters themselves, to accumulate into: under activation checkpointing the
+        # saved tensors come back as recomputed aliases whose .grad nobody reads
+        ctx.param, ctx.bias, ctx.store = weight, bias, store
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
         x, weight = ctx.saved_tensors
-        bias = ctx.bias
+        param, bias = ctx.param, ctx.bias
         gx = gy.matmul(weight) if ctx.needs_input_grad[0] else None
         need_w, need_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
 
@@ -92,10 +94,10 @@ class _Linear(torch.autograd.Function):
                 with torch.no_grad():
                     g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
                     if need_w:
-                        if weight.grad is None:
-                            weight.grad = g2.t().mm(x2.to(g2.dtype)).to(weight.dtype)
+                        if param.grad is None:
+                            param.grad = g2.t().mm(x2)
                         else:
-                            weight.grad.addmm_(g2.t().to(weight.dtype), x2.to(weight.dtype))
+                            param.grad.addmm_(g2.t(), x2)
                     if need_b:
                         _accumulate(bias, g2.sum(0))
 
@@ -117,6 +119,8 @@ class DeferredLinears(TorchFunctionMode):
         if func is F.linear and torch.is_grad_enabled() and not torch.is_autocast_enabled():
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if weight.requires_grad or (bias is not None and bias.requires_grad):
+            # only leaf parameters: a computed weight's gradient must flow on through autograd
+            leaves = weight.is_leaf and (bias is None or bias.is_leaf)
+            if leaves and (weight.requires_grad or (bias is not None and bias.requires_grad)):
                 return _Linear.apply(x, weight, bias, self.store)
         return func(*args, **kwargs)
