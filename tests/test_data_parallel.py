@@ -104,7 +104,11 @@ def _parity_checks():
             losses = _train(model, opt, mesh, accum)
             what = f"{kind} bucket_mb={bucket_mb} accum={accum} world={n}"
             assert_close_losses(losses, ref_losses, atol=1e-6, what=what)
-            assert_close_params(state_of(model), ref_params, atol=1e-6, what=what)
+            # AdamW divides by sqrt(v): a near-zero gradient's summation-order rounding (1e-9)
+            # becomes a ~1e-6 parameter difference on some CPUs' kernels; SGD keeps 1e-6
+            assert_close_params(
+                state_of(model), ref_params, atol=1e-5 if kind == "adamw" else 1e-6, what=what
+            )
             # Ledger: exactly the bucket all-reduces of one step, 4 bytes x parameters in all.
             rows = mesh.ledger.rows(STEPS - 1)
             assert set(rows) == {("all_reduce", "dp")}, rows
