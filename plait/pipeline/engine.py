@@ -235,7 +235,9 @@ class PipelineEngine:
         from plait.zero.flat import storage_bytes
 
         params = storage_bytes(list(self.raw.parameters()))
-        grads = storage_bytes([q.grad for q in self.raw.parameters() if q.grad is not None])
+        # a gradient per parameter exists during every step (zero_grad frees them between
+        # steps, when this is usually asked), so count them as allocated
+        grads = sum(q.numel() * q.element_size() for q in self.raw.parameters() if q.requires_grad)
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         optim = storage_bytes(state)
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
