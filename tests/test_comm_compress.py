@@ -119,6 +119,45 @@ def test_error_feedback_keeps_the_running_sums_together():
     assert gaps[id(without)][-1] > 5 * gaps[id(with_ef)][-1]
 
 
+@pytest.mark.parametrize("make", [lambda: OneBitCompressor(True, min_group=64), lambda: TopKCompressor(0.05)])
+def test_error_feedback_is_kept_in_units_of_the_step(make):
+    # Under a learning-rate schedule the residual holds lr-scaled gradients: the running sum of
+    # scale_t x (what was decoded) tracks that of scale_t x g_t, the gap being exactly the residual,
+    # and what the optimizer receives is a gradient (the decoded values divided by scale_t).
+    gen = torch.Generator().manual_seed(3)
+    c, plain = make(), make()
+    n = 32 * 16
+    true_sum, sent_sum = torch.zeros(n), torch.zeros(n)
+    for t in range(60):
+        scale = (t + 1) / 20 if t < 20 else 1.0 - 0.9 * (t - 20) / 40  # warm-up, then decay
+        g = torch.randn(n, generator=gen) + 0.3
+        c.set_lr_scale(scale)
+        out = _exchange(c, [(32, 16)], g)
+        true_sum += scale * g
+        sent_sum += scale * out
+        torch.testing.assert_close(true_sum - sent_sum, c.residuals[0], atol=1e-4, rtol=0)
+    # at scale 1 it is the unscaled compressor exactly; a zero learning rate keeps the last scale
+    c.set_lr_scale(1.0)
+    c.residuals, plain.residuals = {}, {}
+    g = torch.randn(n, generator=gen)
+    torch.testing.assert_close(_exchange(c, [(32, 16)], g), _exchange(plain, [(32, 16)], g))
+    c.set_lr_scale(0.0)
+    assert c.lr_scale == 1.0
+
+
+def _exchange(c, shapes, g):
+    """One rank's compressed exchange, decoded into gradient units as the DDP hook's finish does."""
+    b = _bucket(shapes, g)
+    out = torch.zeros_like(g)
+    if isinstance(c, OneBitCompressor):
+        bits, scales = c.encode(b)
+        c.decode_into(out, bits, scales, b)
+    else:
+        idx, values = c.select(b)
+        out.index_put_((idx.long(),), values)
+    return out / c.lr_scale
+
+
 def test_topk_keeps_exactly_ceil_rn_and_the_rest_stays():
     for n, r in [(1000, 0.01), (1001, 0.01), (37, 0.1), (5, 1.0)]:
         g = torch.randn(n, generator=torch.Generator().manual_seed(n))
@@ -145,16 +184,20 @@ def test_bad_compression_settings():
 def _compressed_ddp():
     n = dist.get_world_size()
     mesh = Mesh(dp=n, timeout_s=60)
-    results = {}
-    for name in ("fp16", "onebit", "topk"):
+    results, final = {}, {}
+    for name in ("fp16", "onebit", "topk", "none", "topk-all"):
         mesh.ledger.clear()
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
         params = sum(p.numel() for p in model.parameters())
-        ddp = DataParallel(model, mesh, bucket_mb=0.004, comm_hook=make_compressor(name, topk_ratio=0.05))
+        # "topk-all" keeps every entry: under a changing lr scale it must equal plain DDP ("none")
+        hook = make_compressor(name.split("-")[0], topk_ratio=1.0 if name == "topk-all" else 0.05)
+        ddp = DataParallel(model, mesh, bucket_mb=0.004, comm_hook=hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(100 + dist.get_rank())  # different data on each rank
         for step in range(5):
+            if hasattr(hook, "set_lr_scale"):  # as the trainer does: error feedback in step units
+                hook.set_lr_scale(0.3 + 0.2 * step)
             mesh.ledger.set_step(step)
             x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
             nn.functional.mse_loss(ddp(x), y).backward()
@@ -166,12 +209,17 @@ def _compressed_ddp():
             comm.all_gather(everyone, flat, mesh, "dp")
             rows = everyone.view(n, -1)
             assert all(torch.equal(rows[0], rows[r]) for r in range(n)), f"{name}: replicas differ at {step}"
+        final[name] = flat
+        if name in ("none", "topk-all"):
+            ddp.remove_hooks()
+            continue
         ledger = mesh.ledger.rows(4)
         op = "all_reduce" if name == "fp16" else "all_gather"
         row = ledger[(op, "dp")]
         assert row.logical_bytes == 4 * params and row.count == len(ddp.buckets)
         results[name] = row.bus_bytes / (2 * (n - 1) / n * 4 * params)  # vs an fp32 all-reduce
         ddp.remove_hooks()
+    torch.testing.assert_close(final["topk-all"], final["none"], atol=1e-6, rtol=0)
     mesh.close()
     return results
 

@@ -310,6 +310,8 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     timeline_step = min(start + 3, last) if pipelined else -1
     window_t0, window_steps, loss, val_loss = time.perf_counter(), 0, float("nan"), None
     fault = _injected_fault()
+    hook = getattr(model, "comm_hook", None)
+    lr_scaled = hook if hasattr(hook, "set_lr_scale") else None
     for step in range(start + 1, last + 1):
         mesh.ledger.set_step(step)
         if fault is not None and fault[:2] == (mesh.global_rank, step):
@@ -322,6 +324,8 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
                 raise RuntimeError(
                     f"injected fault on rank {mesh.global_rank} at step {step} (PLAIT_FAIL_AT)"
                 )
+        if lr_scaled is not None:  # error feedback in units of the step (plait.comm.compress)
+            lr_scaled.set_lr_scale(lr_factor(step - 1, t.warmup_steps, t.steps, t.min_lr / t.lr))
         step_t0 = time.perf_counter()
         micro = sampler.next_batch()
         local_sum = torch.zeros((), dtype=torch.float64, device=device)
