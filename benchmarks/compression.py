@@ -40,7 +40,7 @@ below is measured on the same text.
 
 Run from the repository root:  .venv/bin/python benchmarks/compression.py [--steps 600]
 [--quick] [--only none,onebit,...] [--optim adamw|sgd] [--sgd-lrs 0.05,0.1,0.3,1.0]
-[--warm-start N] [--out PATH]. Prints the tables and writes benchmarks/results/compression.md
+[--warm-start N] [--seed S] [--out PATH]. Prints the tables and writes benchmarks/results/compression.md
 with compression_loss.png and lamb_loss.png beside it (`--optim sgd`: compression_sgd.md and
 compression_sgd_loss.png; another --out: <stem>_loss.png); --quick writes nothing unless --out
 is given.
@@ -95,12 +95,21 @@ def default_config() -> dict:
         return tomllib.load(fh)["train"]
 
 
+SEED: int | None = None  # --seed: every run's train.seed (None: the config's)
+
+
+def _seed(t: dict) -> int:
+    return t["seed"] if SEED is None else SEED
+
+
 def common_args(optim: str, momentum: float) -> list[str]:
     """The overrides every run of a mode shares."""
     common = [
         *("--data.held_out_fraction", str(HELD_OUT)),
         *("--train.progress", "false", "--train.sample_tokens", "0", "--train.checkpoint_every", "0"),
     ]
+    if SEED is not None:
+        common += ["--train.seed", str(SEED)]
     if optim == "sgd":  # no weight decay: the config's 0.1 is AdamW's decoupled decay, far too strong here
         common += ["--optim.name", "sgd", "--optim.momentum", f"{momentum:g}", "--train.weight_decay", "0"]
     return common
@@ -137,7 +146,7 @@ def compression_runs(steps: int, optim: str, lr: float | None, warm: int) -> lis
         Run("onebit-noef", "1-bit, no error feedback", [*small, *onebit, *no_ef], 1),
         Run("topk", "top-1% + residual", [*small, *topk, *ef], 1),
         Run("topk-noef", "top-1%, no residual", [*small, *topk, *no_ef], 1),
-        Run("none-seed1", "none (fp32), seed + 1", [*small, "--train.seed", str(t["seed"] + 1)], 1),
+        Run("none-seed1", "none (fp32), seed + 1", [*small, "--train.seed", str(_seed(t) + 1)], 1),
     ]
     if warm:
         for key, comp, name, feedback in (
@@ -628,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     t = default_config()
     parser.add_argument("--steps", type=int, default=t["steps"], help="steps of part 1 (part 2: 1/8)")
     parser.add_argument("--quick", action="store_true", help="smoke check: 40 steps, writes nothing")
+    parser.add_argument("--seed", type=int, default=None, help="every run's train.seed (default: config's)")
     parser.add_argument("--only", default="", help="comma-separated run keys of parts 1-2 (default: all)")
     parser.add_argument(
         "--optim",
@@ -661,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps must be >= {BIG}")
     if not 0 <= args.warm_start < args.steps:
         parser.error("--warm-start must be in [0, --steps)")
+    global SEED
+    SEED = args.seed
     args.lamb_lrs = _floats(args.lamb_lrs)
     args.sgd_lrs = _floats(args.sgd_lrs)
     if args.optim == "sgd":
