@@ -13,6 +13,8 @@ from plait.pipeline.schedules import (
     ZB_V_PLANNING_COSTS,
     add_communication,
     default_virtual_stages,
+    hoist_receives,
+    interleaved,
     make_schedule,
     one_f_one_b,
     zb_h1,
@@ -109,8 +111,9 @@ def test_small_and_uneven_sizes_are_valid(kind):
 
 def test_add_communication_is_idempotent_and_keeps_compute_order():
     s = make_schedule("zb-v", 4, 8)
-    again = add_communication(s)
-    assert again.actions == s.actions
+    again = add_communication(s)  # rebuilds the placement (make_schedule's receives are hoisted)
+    assert again.actions == add_communication(again).actions
+    assert hoist_receives(again).actions == s.actions
     assert [s.compute(r) for r in range(4)] == [add_communication(s).compute(r) for r in range(4)]
 
 
@@ -341,6 +344,41 @@ def test_rejects_deadlock():
     # The same compute, with communication placed by add_communication, is fine.
     check_schedule(add_communication(s))
     assert "rank 1 at step 3" in msg
+
+
+def test_deadlock_model_runs_a_batch_per_operation_but_batches_in_order():
+    last = "RECV_F0@1<0 F0@1 RECV_F1@1<0 F1@1 BW0@1 SEND_B0@1>0 BW1@1 SEND_B1@1>0"
+    # Rank 0 sends F1 and receives B0 in one batch: the send completes while the receive waits for
+    # rank 1, which needs that F1 before its B0. Legal (NCCL progresses each operation of a group).
+    together = "F0@0 SEND_F0@0>1 F1@0 RECV_B0@0<1 SEND_F1@0>1 BW0@0 RECV_B1@0<1 BW1@0"
+    check_schedule(sched(2, 2, [together, last]))
+    # Receiving B0 one batch earlier queues the send of F1 behind it: a cycle.
+    queued = "F0@0 SEND_F0@0>1 RECV_B0@0<1 F1@0 SEND_F1@0>1 BW0@0 RECV_B1@0<1 BW1@0"
+    msg = rejected(sched(2, 2, [queued, last]), "deadlock", "RECV_B0@0<1", "SEND_F1@0>1")
+    assert "rank 1 at step 2 waits for RECV_F1@1<0" in msg
+
+
+def test_hoisted_receives_are_posted_one_compute_earlier():
+    plain = add_communication(interleaved(2, 8, 2))
+    hoisted = make_schedule("interleaved", 2, 8, 2)
+    assert [a for a in plain.actions[0] if not a.is_comm] == [a for a in hoisted.actions[0] if not a.is_comm]
+    # rank 0 receives F0 for stage 2 before computing F1 on stage 0, as torch's runtime does
+    head = [str(a) for a in hoisted.actions[0][:4]]
+    assert head == ["F0@0", "SEND_F0@0>1", "RECV_F0@2<1", "F1@0"], head
+    assert [str(a) for a in plain.actions[0][:4]] == ["F0@0", "SEND_F0@0>1", "F1@0", "RECV_F0@2<1"]
+    moved = 0
+    for r in range(2):
+        for i, a in enumerate(hoisted.actions[r]):
+            if a.kind.startswith("RECV"):
+                j = plain.actions[r].index(a)
+                computes = sum(not b.is_comm for b in plain.actions[r][:j])
+                now = sum(not b.is_comm for b in hoisted.actions[r][:i])
+                assert computes - 1 <= now <= computes  # at most one compute action earlier
+                moved += now < computes
+    assert moved >= 20
+    check_schedule(hoisted)
+    # too large a schedule is left as add_communication placed it
+    assert hoist_receives(plain, limit=10).actions == plain.actions
 
 
 def test_rejects_wrong_stage_and_bad_fields():

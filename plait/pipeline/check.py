@@ -3,14 +3,12 @@
 ``check_schedule`` proves, without running anything, that a schedule computes every forward and
 backward exactly once, in an order that respects the data dependencies of the model's stages,
 that its point-to-point messages pair up (FIFO per ordered pair of ranks, as NCCL and Gloo deliver
-them) and that it cannot deadlock under the batch-rendezvous semantics defined in ``ir.py``. Every
+them) and that it cannot deadlock under the communication semantics defined in ``ir.py``. Every
 violation raises :class:`~plait.errors.ScheduleError` naming the rank, the step (index in that
 rank's action list) and the actions involved, followed by the grid with the offending cell marked.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 from plait.errors import ScheduleError
 from plait.pipeline.ir import Action, Schedule
@@ -63,10 +61,20 @@ def check_schedule(schedule: Schedule) -> None:
     input, B/BW after its output gradient, W after B, SEND after the compute that produces it);
     completeness (one F and one BW, or one B and one W, per micro-batch and stage); message
     matching (every send has a receive, FIFO per ordered rank pair); and freedom from deadlock,
-    by simulating the ranks with every batch of communication blocking until all its operations
-    are matched by operations the peers have posted.
+    by simulating the ranks under the communication semantics of ir.py.
     """
     _Checker(schedule).run()
+
+
+def deadlock_free(schedule: Schedule) -> bool:
+    """Whether a schedule that passes the other checks also runs to the end (the deadlock check
+    of :func:`check_schedule` alone)."""
+    checker = _Checker(schedule)
+    try:
+        checker.check_deadlock(checker.check_matching())
+    except ScheduleError:
+        return False
+    return True
 
 
 class _Checker:
@@ -233,59 +241,82 @@ class _Checker:
         return match
 
     def check_deadlock(self, match: dict[tuple[int, int], tuple[int, int]]) -> None:
-        """Simulate: compute always completes; a batch (run of consecutive communication actions)
-        completes once every operation in it is matched by one its peer has posted, i.e. the peer
-        has reached the batch holding that operation."""
+        """Simulate the ranks under the semantics of ir.py: per rank, compute runs in list order,
+        an F/B/BW only after the batch holding its RECV has completed; batches run in list order
+        (one communication queue per rank, as NCCL's stream runs them), each once the compute
+        before it is done; an operation completes once its batch and its match's batch are both
+        running (or the match's has completed), a batch once all its operations have."""
         acts = self.s.actions
-        start = []  # start[r][i]: index of the first action of the batch holding action i
+        n = len(acts)
+        batch_of: list[dict[int, int]] = []  # action index -> its batch number
+        first: list[list[int]] = []  # batch number -> index of its first action
+        computes: list[list[int]] = []  # compute action indices, in order
+        before: list[list[int]] = []  # batch number -> number of compute actions before it
+        needs: list[dict[int, int]] = []  # compute action index -> batch holding its input
         for lst in acts:
-            st, b = [], 0
+            bo, fi, co, be, ne, recv_at = {}, [], [], [], {}, {}
             for i, a in enumerate(lst):
-                if not a.is_comm or i == 0 or not lst[i - 1].is_comm:
-                    b = i
-                st.append(b)
-            start.append(st)
-        pos = [0] * len(acts)
-        peers = [{a.peer for a in lst if a.is_comm} for lst in acts]
-
-        def batch_end(r: int) -> int:
-            i = pos[r]
-            while i < len(acts[r]) and acts[r][i].is_comm:
-                i += 1
-            return i
-
-        def waiting(r: int) -> list[tuple[int, int]]:
-            """Operations of rank r's current batch whose match the peer has not posted."""
-            out = []
-            for i in range(pos[r], batch_end(r)):
-                q, j = match[(r, i)]
-                if pos[q] < start[q][j]:
-                    out.append((i, q, j))
-            return out
-
-        todo = deque(range(len(acts)))
-        while todo:
-            r = todo.popleft()
-            moved = False
-            while pos[r] < len(acts[r]):
-                if not acts[r][pos[r]].is_comm:
-                    pos[r] += 1
-                elif not waiting(r):
-                    pos[r] = batch_end(r)
+                if a.is_comm:
+                    if i == 0 or not lst[i - 1].is_comm:
+                        fi.append(i)
+                        be.append(len(co))
+                    bo[i] = len(fi) - 1
+                    if a.kind in ("RECV_F", "RECV_B"):
+                        recv_at[(a.kind, a.mb, a.stage)] = len(fi) - 1
                 else:
-                    break
-                moved = True
-            if moved:
-                todo.extend(q for q in peers[r] if q not in todo)
-        blocked = [r for r in range(len(acts)) if pos[r] < len(acts[r])]
+                    co.append(i)
+                    key = ("RECV_F" if a.kind == "F" else "RECV_B", a.mb, a.stage)
+                    if a.kind != "W" and key in recv_at:
+                        ne[i] = recv_at[key]
+            batch_of.append(bo)
+            first.append(fi)
+            computes.append(co)
+            before.append(be)
+            needs.append(ne)
+        comp = [0] * n  # compute actions done, per rank
+        done = [0] * n  # batches done, per rank
+        complete: set[tuple[int, int]] = set()  # (rank, action index) of completed operations
+
+        def ops(r: int, b: int) -> range:
+            end = first[r][b]
+            while end < len(acts[r]) and acts[r][end].is_comm:
+                end += 1
+            return range(first[r][b], end)
+
+        def running(q: int, c: int) -> bool:
+            return c < done[q] or (done[q] == c and comp[q] >= before[q][c])
+
+        progress = True
+        while progress:
+            progress = False
+            for r in range(n):
+                while comp[r] < len(computes[r]):
+                    i = computes[r][comp[r]]
+                    if i in needs[r] and done[r] <= needs[r][i]:
+                        break  # its input's batch has not completed
+                    comp[r] += 1
+                    progress = True
+                if done[r] < len(first[r]) and running(r, done[r]):
+                    for i in ops(r, done[r]):
+                        q, j = match[(r, i)]
+                        if (r, i) not in complete and running(q, batch_of[q][j]):
+                            complete.update({(r, i), (q, j)})
+                    if all((r, i) in complete for i in ops(r, done[r])):
+                        done[r] += 1
+                        progress = True
+        blocked = [r for r in range(n) if comp[r] < len(computes[r]) or done[r] < len(first[r])]
         if blocked:
-            parts = []
+            parts, marks = [], []
             for r in blocked:
-                ws = ", ".join(
-                    f"{acts[r][i]} (needs rank {q} to reach step {j}, {acts[q][j]})" for i, q, j in waiting(r)
-                )
-                parts.append(f"rank {r} at step {pos[r]} waits for {ws}")
-            self.fail(
-                f"deadlock: ranks {blocked} cannot progress; " + "; ".join(parts),
-                (blocked[0], pos[blocked[0]]),
-            )
+                at = first[r][done[r]]  # a rank is blocked on its first unfinished batch
+                waits = [
+                    f"{acts[r][i]} (needs rank {q} to reach step {j}, {acts[q][j]})"
+                    for i in ops(r, done[r])
+                    if (r, i) not in complete
+                    for q, j in [match[(r, i)]]
+                ]
+                if comp[r] < before[r][done[r]]:
+                    waits.append(f"its own {acts[r][computes[r][comp[r]]]} first")
+                parts.append(f"rank {r} at step {at} waits for " + ", ".join(waits))
+                marks.append((r, at))
+            self.fail(f"deadlock: ranks {blocked} cannot progress; " + "; ".join(parts), marks[0])

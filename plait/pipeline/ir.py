@@ -24,10 +24,14 @@ communication actions.
 Communication semantics, shared by the checker and the runtime: a run of consecutive
 communication actions in one rank's list is one *batch*, posted together (like
 ``torch.distributed.batch_isend_irecv``). Between any ordered pair of ranks, the k-th send is
-matched with the k-th receive. The checker treats every batch as blocking until all of its
-operations are matched by posted peer operations (rendezvous); the runtime only waits for a
-batch's receives before the first compute action that needs them, so a schedule the checker
-accepts cannot deadlock the runtime.
+matched with the k-th receive. The checker's model, which is at least as strict as what either
+backend does: each rank computes in list order, an F/B/BW waiting only for the batch holding
+its own RECV; each rank's batches run one after another in list order (as NCCL runs them on one
+stream; gloo does not even serialise them), a batch starting once the compute before it is done;
+an operation completes once its batch and its match's batch are both running, and a batch once all
+of its operations have. The runtime posts a batch when it reaches it and waits for a receive just
+before the first compute action that needs it, so a schedule the checker accepts cannot deadlock
+the runtime.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ unless a planning cost model is named; a "bubble" is idle time inside the makesp
 from __future__ import annotations
 
 from plait.errors import ConfigError, ScheduleError
-from plait.pipeline.check import check_schedule
+from plait.pipeline.check import check_schedule, deadlock_free
 from plait.pipeline.ir import Action, Schedule
 from plait.pipeline.simulate import Costs
 
@@ -59,7 +59,7 @@ def make_schedule(kind: str, p: int, m: int, v: int | None = None, costs: Costs 
     }[kind]()
     schedule = add_communication(compute)
     check_schedule(schedule)  # cheap (linear); turns a generator bug into a clear error, not a hang
-    return schedule
+    return hoist_receives(schedule)
 
 
 # -- placement and small helpers ---------------------------------------------------------------
@@ -355,8 +355,8 @@ def add_communication(schedule: Schedule) -> Schedule:
     of every message sit in the batch each rank posts at boundary t, ordered by (forward before
     backward, micro-batch, stage) on both sides, which keeps every rank pair FIFO. Since every
     batch at boundary t is matched by batches at boundary t, no rank ever waits on a later
-    boundary, and the schedule cannot deadlock under the rendezvous semantics of ir.py (a RECV
-    posted early only lets the runtime start the transfer early).
+    boundary, so the schedule cannot deadlock under the semantics of ir.py (make_schedule checks it
+    anyway, then moves receives earlier with :func:`hoist_receives`).
     """
     s = schedule
     owner = {st: r for r, held in enumerate(s.stages) for st in held}
@@ -384,6 +384,50 @@ def add_communication(schedule: Schedule) -> Schedule:
             out += [a for _, a in sorted(batches[r].get(t, []), key=lambda x: x[0])]
         actions.append(out)
     return Schedule(s.kind, s.p, s.m, s.v, s.stages, actions)
+
+
+HOIST_LIMIT = 2000
+"""Schedules with more actions than this keep add_communication's receive placement (hoisting
+checks the whole schedule once per receive)."""
+
+
+def hoist_receives(schedule: Schedule, limit: int = HOIST_LIMIT) -> Schedule:
+    """Post receives one compute action earlier where that stays deadlock-free.
+
+    add_communication posts a receive in the batch of its send's unit tick, after the receiver's
+    compute of that tick. A transport such as gloo starts moving a message only once its receive is
+    posted, so that leaves the transfer exposed before the consumer. This pass moves each receive,
+    in order, in front of the compute action before it (joining the batch there), like
+    torch.distributed.pipelining's runtime, which posts a receive as soon as the sender has
+    computed its input. A move is kept only if :func:`check_schedule` still accepts the whole
+    schedule (only its deadlock check can change: a receive has no input, stays before its consumer,
+    and never passes another receive from the same peer, so the FIFO matching holds). Schedules with
+    more than `limit` actions are returned unchanged.
+    """
+    if sum(len(a) for a in schedule.actions) > limit:
+        return schedule
+    actions = [list(a) for a in schedule.actions]
+    for r in range(schedule.p):
+        k = 0
+        while k < len(actions[r]):
+            a = actions[r][k]
+            k += 1
+            if a.kind not in ("RECV_F", "RECV_B"):
+                continue
+            c = k - 2  # the compute action before a's batch
+            while c >= 0 and actions[r][c].is_comm:
+                c -= 1
+            between = actions[r][c + 1 : k - 1]
+            if c < 0 or any(b.kind.startswith("RECV") and b.peer == a.peer for b in between):
+                continue
+            trial = [*actions[r][:c], a, *actions[r][c : k - 1], *actions[r][k:]]
+            rows = [*actions[:r], trial, *actions[r + 1 :]]
+            if not deadlock_free(
+                Schedule(schedule.kind, schedule.p, schedule.m, schedule.v, schedule.stages, rows)
+            ):
+                continue
+            actions[r] = trial
+    return Schedule(schedule.kind, schedule.p, schedule.m, schedule.v, schedule.stages, actions)
 
 
 def _unit_ticks(s: Schedule, compute: list[list[Action]], owner: dict[int, int]) -> list[list[int]]:
