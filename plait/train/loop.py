@@ -294,6 +294,13 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
         f"run dir {run_dir}",
     )
     _say(mesh, f"plait: {describe_engine(cfg, engine)}")
+    c = cfg.comm
+    if c.compression in ("onebit", "topk") and c.error_feedback and cfg.optim.name in ("adamw", "lamb"):
+        _say(
+            mesh,
+            f"plait: note: error feedback ({c.compression}) under {cfg.optim.name} trained worse than "
+            "without it in plait's experiments (Adam's per-coordinate scaling); see docs/compression.md",
+        )
 
     bar = tqdm(
         total=t.steps,
