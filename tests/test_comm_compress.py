@@ -1,6 +1,7 @@
 """Gradient compressors: the quantiser's rule, packing, error feedback, top-k, and compressed DDP."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -120,10 +121,16 @@ def test_error_feedback_keeps_the_running_sums_together():
 
 
 @pytest.mark.parametrize("make", [lambda: OneBitCompressor(True, min_group=64), lambda: TopKCompressor(0.05)])
-def test_error_feedback_is_kept_in_units_of_the_step(make):
+def test_error_feedback_is_kept_in_units_of_the_step(make, monkeypatch):
     # Under a learning-rate schedule the residual holds lr-scaled gradients: the running sum of
-    # scale_t x (what was decoded) tracks that of scale_t x g_t, the gap being exactly the residual,
-    # and what the optimizer receives is a gradient (the decoded values divided by scale_t).
+    # scale_t x (what the hook returns) tracks that of scale_t x g_t, the gap being exactly the
+    # residual, and what the optimizer receives is a gradient (the decoded values / scale_t).
+    # The hook runs whole, on one rank: its all-gather copies the message.
+    def gather(out, message, mesh, axis, async_op, logical_bytes):
+        out.copy_(message)
+        return SimpleNamespace(wait=lambda: None)
+
+    monkeypatch.setattr(comm, "all_gather", gather)
     gen = torch.Generator().manual_seed(3)
     c, plain = make(), make()
     n = 32 * 16
@@ -136,26 +143,21 @@ def test_error_feedback_is_kept_in_units_of_the_step(make):
         true_sum += scale * g
         sent_sum += scale * out
         torch.testing.assert_close(true_sum - sent_sum, c.residuals[0], atol=1e-4, rtol=0)
-    # at scale 1 it is the unscaled compressor exactly; a zero learning rate keeps the last scale
+    # at scale 1 it is the compressor without scaling: a fresh one (default scale) gives the same
     c.set_lr_scale(1.0)
-    c.residuals, plain.residuals = {}, {}
+    c.residuals = {}
     g = torch.randn(n, generator=gen)
     torch.testing.assert_close(_exchange(c, [(32, 16)], g), _exchange(plain, [(32, 16)], g))
+    # a zero learning rate keeps the previous scale instead of dividing by zero
+    c.set_lr_scale(0.4)
     c.set_lr_scale(0.0)
-    assert c.lr_scale == 1.0
+    assert c.lr_scale == 0.4
 
 
 def _exchange(c, shapes, g):
-    """One rank's compressed exchange, decoded into gradient units as the DDP hook's finish does."""
+    """One rank's exchange through the whole hook; returns what it leaves in the bucket."""
     b = _bucket(shapes, g)
-    out = torch.zeros_like(g)
-    if isinstance(c, OneBitCompressor):
-        bits, scales = c.encode(b)
-        c.decode_into(out, bits, scales, b)
-    else:
-        idx, values = c.select(b)
-        out.index_put_((idx.long(),), values)
-    return out / c.lr_scale
+    return c(b, SimpleNamespace(size=lambda axis: 1), "dp").wait().clone()
 
 
 def test_topk_keeps_exactly_ceil_rn_and_the_rest_stays():

@@ -346,12 +346,16 @@ def test_rejects_deadlock():
     assert "rank 1 at step 3" in msg
 
 
-def test_deadlock_model_runs_a_batch_per_operation_but_batches_in_order():
+def test_deadlock_model_orders_batches_and_operations_to_one_peer():
     last = "RECV_F0@1<0 F0@1 RECV_F1@1<0 F1@1 BW0@1 SEND_B0@1>0 BW1@1 SEND_B1@1>0"
     # Rank 0 sends F1 and receives B0 in one batch: the send completes while the receive waits for
-    # rank 1, which needs that F1 before its B0. Legal (NCCL progresses each operation of a group).
-    together = "F0@0 SEND_F0@0>1 F1@0 RECV_B0@0<1 SEND_F1@0>1 BW0@0 RECV_B1@0<1 BW1@0"
+    # rank 1, which needs that F1 before its B0. Legal.
+    together = "F0@0 SEND_F0@0>1 F1@0 SEND_F1@0>1 RECV_B0@0<1 BW0@0 RECV_B1@0<1 BW1@0"
     check_schedule(sched(2, 2, [together, last]))
+    # The same batch with the receive first is not: NCCL runs a group's operations to one peer in
+    # order, so the send would wait behind the receive.
+    swapped = together.replace("SEND_F1@0>1 RECV_B0@0<1", "RECV_B0@0<1 SEND_F1@0>1")
+    rejected(sched(2, 2, [swapped, last]), "deadlock", "SEND_F1@0>1")
     # Receiving B0 one batch earlier queues the send of F1 behind it: a cycle.
     queued = "F0@0 SEND_F0@0>1 RECV_B0@0<1 F1@0 SEND_F1@0>1 BW0@0 RECV_B1@0<1 BW1@0"
     msg = rejected(sched(2, 2, [queued, last]), "deadlock", "RECV_B0@0<1", "SEND_F1@0>1")

@@ -245,7 +245,8 @@ class _Checker:
         an F/B/BW only after the batch holding its RECV has completed; batches run in list order
         (one communication queue per rank, as NCCL's stream runs them), each once the compute
         before it is done; an operation completes once its batch and its match's batch are both
-        running (or the match's has completed), a batch once all its operations have."""
+        running and the operations before it in its batch to the same peer have completed (NCCL
+        runs those in order), and a batch once all its operations have."""
         acts = self.s.actions
         n = len(acts)
         batch_of: list[dict[int, int]] = []  # action index -> its batch number
@@ -283,6 +284,12 @@ class _Checker:
                 end += 1
             return range(first[r][b], end)
 
+        def in_turn(r: int, i: int) -> bool:
+            """NCCL runs the operations of a group that go to one peer in order: those before i
+            in its batch, with the same peer, must have completed."""
+            start = first[r][batch_of[r][i]]
+            return all((r, k) in complete for k in range(start, i) if acts[r][k].peer == acts[r][i].peer)
+
         def running(q: int, c: int) -> bool:
             return c < done[q] or (done[q] == c and comp[q] >= before[q][c])
 
@@ -299,7 +306,12 @@ class _Checker:
                 if done[r] < len(first[r]) and running(r, done[r]):
                     for i in ops(r, done[r]):
                         q, j = match[(r, i)]
-                        if (r, i) not in complete and running(q, batch_of[q][j]):
+                        if (
+                            (r, i) not in complete
+                            and running(q, batch_of[q][j])
+                            and in_turn(r, i)
+                            and in_turn(q, j)
+                        ):
                             complete.update({(r, i), (q, j)})
                     if all((r, i) in complete for i in ops(r, done[r])):
                         done[r] += 1
@@ -315,7 +327,7 @@ class _Checker:
                     if (r, i) not in complete
                     for q, j in [match[(r, i)]]
                 ]
-                if comp[r] < before[r][done[r]]:
+                if comp[r] < before[r][done[r]]:  # its batch is not posted yet
                     waits.append(f"its own {acts[r][computes[r][comp[r]]]} first")
                 parts.append(f"rank {r} at step {at} waits for " + ", ".join(waits))
                 marks.append((r, at))

@@ -28,8 +28,9 @@ matched with the k-th receive. The checker's model, which is at least as strict 
 backend does: each rank computes in list order, an F/B/BW waiting only for the batch holding
 its own RECV; each rank's batches run one after another in list order (as NCCL runs them on one
 stream; gloo does not even serialise them), a batch starting once the compute before it is done;
-an operation completes once its batch and its match's batch are both running, and a batch once all
-of its operations have. The runtime posts a batch when it reaches it and waits for a receive just
+an operation completes once its batch and its match's batch are both running and the operations
+before it in its batch to the same peer have completed (NCCL runs those in order), and a batch once
+all of its operations have. The runtime posts a batch when it reaches it and waits for a receive just
 before the first compute action that needs it, so a schedule the checker accepts cannot deadlock
 the runtime.
 """
