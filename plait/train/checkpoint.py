@@ -67,6 +67,18 @@ def _set_rng_state(t: torch.Tensor) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _residuals(engine) -> dict[str, torch.Tensor] | None:
+    """The gradient compressor's error-feedback residuals of this rank, one per bucket (created
+    as zeros if a bucket has none yet), or None without such a compressor."""
+    module = engine.module
+    hook = getattr(module, "comm_hook", None)
+    if not hasattr(hook, "residuals"):
+        return None
+    return {
+        str(b.index): hook.residuals.setdefault(b.index, torch.zeros_like(b.buffer)) for b in module.buckets
+    }
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as fh:
@@ -106,6 +118,8 @@ def save_checkpoint(
         ),
         f"rng_rank{mesh.global_rank}": _rng_state(),
     }
+    if (residuals := _residuals(engine)) is not None:  # per rank, like the RNG state
+        state[f"residuals_rank{mesh.global_rank}"] = residuals
     try:
         dcp.save(state, checkpoint_id=str(tmp))
     except (Exception, CheckpointException) as exc:  # DCP raises a BaseException subclass
@@ -178,6 +192,11 @@ def verify_checkpoint(path: str | Path) -> dict:
     return manifest
 
 
+def _has_key(path: Path, key: str) -> bool:
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return any(k == key or k.startswith(key + ".") for k in metadata.state_dict_metadata)
+
+
 def load_checkpoint(path: str | Path, mesh: Mesh, engine, scheduler, sampler) -> int:
     """Restore a checkpoint saved by `save_checkpoint` into `engine` (any ZeRO stage and dp
     degree: the shards are read from whatever layout saved them); returns its step."""
@@ -189,6 +208,11 @@ def load_checkpoint(path: str | Path, mesh: Mesh, engine, scheduler, sampler) ->
     same_world = manifest.get("world_size") == mesh.world_size
     if same_world:
         state[rng_key] = _rng_state()
+        # the error-feedback residuals, loaded in place, if this run compresses and the checkpoint
+        # has them (a run that switches compression on at resume starts with zero residuals)
+        res_key = f"residuals_rank{mesh.global_rank}"
+        if (residuals := _residuals(engine)) is not None and _has_key(path, res_key):
+            state[res_key] = residuals
     try:
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
