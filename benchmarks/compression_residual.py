@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from plait.comm.compress import OneBitCompressor, TopKCompressor  # noqa: E402
 from plait.data.corpus import load_corpus  # noqa: E402
 from plait.data.sampler import DistributedBatchSampler  # noqa: E402
+from plait.data_parallel import GradBucket  # noqa: E402
 from plait.models import GPT, gpt_config  # noqa: E402
 from plait.train.loop import lr_factor  # noqa: E402
 
@@ -51,18 +52,7 @@ METHODS = {
 }
 
 
-class _Bucket:
-    """The one gradient bucket DataParallel would build for these parameters (same layout)."""
-
-    def __init__(self, params: list[torch.Tensor]):
-        self.index, self.params, self.offsets, total = 0, params, [], 0
-        for p in params:
-            self.offsets.append(total)
-            total += p.numel()
-        self.buffer = torch.zeros(total)
-
-
-def _decoded(c, bucket: _Bucket) -> torch.Tensor:
+def _decoded(c, bucket: GradBucket) -> torch.Tensor:
     """One rank's message decoded, in units of the step (scale·gradient)."""
     out = torch.zeros_like(bucket.buffer)
     if isinstance(c, OneBitCompressor):
@@ -88,7 +78,8 @@ def run(steps: int, lr: float) -> dict:
     ]
     opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
     comps = {name: [make() for _ in range(RANKS)] for name, make in METHODS.items()}
-    buckets = [_Bucket(params) for _ in range(RANKS)]
+    # the one bucket DataParallel would build for these parameters, per simulated rank
+    buckets = [GradBucket(0, params, [n for n, _ in model.named_parameters()]) for _ in range(RANKS)]
     sent = {name: [] for name in METHODS}
     ratio = {name: [] for name in METHODS}
     losses = []

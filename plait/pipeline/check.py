@@ -318,17 +318,18 @@ class _Checker:
                         progress = True
         blocked = [r for r in range(n) if comp[r] < len(computes[r]) or done[r] < len(first[r])]
         if blocked:
-            parts, marks = [], []
+            # A blocked rank waits on its first unfinished batch: a compute waits only for a batch
+            # before it, and that batch's own compute is then done, so the batch is posted.
+            parts = []
             for r in blocked:
-                at = first[r][done[r]]  # a rank is blocked on its first unfinished batch
-                waits = [
+                waits = ", ".join(
                     f"{acts[r][i]} (needs rank {q} to reach step {j}, {acts[q][j]})"
                     for i in ops(r, done[r])
                     if (r, i) not in complete
                     for q, j in [match[(r, i)]]
-                ]
-                if comp[r] < before[r][done[r]]:  # its batch is not posted yet
-                    waits.append(f"its own {acts[r][computes[r][comp[r]]]} first")
-                parts.append(f"rank {r} at step {at} waits for " + ", ".join(waits))
-                marks.append((r, at))
-            self.fail(f"deadlock: ranks {blocked} cannot progress; " + "; ".join(parts), marks[0])
+                )
+                parts.append(f"rank {r} at step {first[r][done[r]]} waits for {waits}")
+            r0 = blocked[0]
+            self.fail(
+                f"deadlock: ranks {blocked} cannot progress; " + "; ".join(parts), (r0, first[r0][done[r0]])
+            )

@@ -288,23 +288,18 @@ def _greedy(
             inputs = [s for s in stages[r] if (x := input_at(s)) is not None and x <= t + _EPS]
             fs = [s for s in inputs if has_memory(r, s)]
             bs = [x for x in ready_b[r] if x[0] <= t + _EPS]
-            w = pending_w[r][0] if pending_w[r] else None
             act = None
-            if forward_first and not fs:
-                for s in sorted(inputs, reverse=True):
-                    w_s = next((x for x in pending_w[r] if x[1] == s), None)
-                    if w_s is not None:
-                        act = ("W", *w_s)
-                        break
-            if act is not None:
-                pass
-            elif fs and (forward_first or not bs):
+            if forward_first and not fs:  # an F held back only by memory: its chunk's oldest W first
+                act = next(
+                    (("W", *x) for s in sorted(inputs, reverse=True) for x in pending_w[r] if x[1] == s), None
+                )
+            if act is None and fs and (forward_first or not bs):
                 act = ("F", next_f[max(fs)], max(fs))
-            elif bs:
+            elif act is None and bs:
                 b = min(bs, key=lambda x: (x[0], x[1], -x[2]))
                 act = ("B", *b[1:])
-            elif w is not None:
-                act = ("W", *w)
+            elif act is None and pending_w[r]:
+                act = ("W", *pending_w[r][0])
             if act is None:
                 continue
             k, mb, s = act

@@ -332,7 +332,7 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
                     f"injected fault on rank {mesh.global_rank} at step {step} (PLAIT_FAIL_AT)"
                 )
         if lr_scaled is not None:  # error feedback in units of the step (plait.comm.compress)
-            lr_scaled.set_lr_scale(lr_factor(step - 1, t.warmup_steps, t.steps, t.min_lr / t.lr))
+            lr_scaled.set_lr_scale(optimizer.param_groups[0]["lr"] / t.lr)
         step_t0 = time.perf_counter()
         micro = sampler.next_batch()
         local_sum = torch.zeros((), dtype=torch.float64, device=device)
