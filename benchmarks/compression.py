@@ -132,8 +132,9 @@ def sweep_runs(steps: int, lrs: list[float]) -> list[Run]:
     return [Run(f"sgd-lr{lr:.4g}", f"SGD, lr {lr:.4g}", [*small, *lr_args(lr)], 0) for lr in lrs]
 
 
-def compression_runs(steps: int, optim: str, lr: float | None, warm: int) -> list[Run]:
-    """Part 1. SGD mode: the uncompressed run comes from the sweep and fp16 is left out."""
+def compression_runs(steps: int, optim: str, lr: float | None, warm: int, freeze: int = 0) -> list[Run]:
+    """Part 1. SGD mode: the uncompressed run comes from the sweep and fp16 is left out. AdamW
+    mode with `freeze` > 0: also 1-bit Adam (the momentum compressed after `freeze` steps)."""
     t = default_config()
     small = _small(steps) + (lr_args(lr) if lr is not None else [])
     onebit = ["--comm.compression", "onebit"]
@@ -146,8 +147,26 @@ def compression_runs(steps: int, optim: str, lr: float | None, warm: int) -> lis
         Run("onebit-noef", "1-bit, no error feedback", [*small, *onebit, *no_ef], 1),
         Run("topk", "top-1% + residual", [*small, *topk, *ef], 1),
         Run("topk-noef", "top-1%, no residual", [*small, *topk, *no_ef], 1),
-        Run("none-seed1", "none (fp32), seed + 1", [*small, "--train.seed", str(_seed(t) + 1)], 1),
     ]
+    if freeze and optim == "adamw":
+        mom = ["--comm.target", "momentum", "--comm.freeze_step", str(freeze)]
+        runs += [
+            Run(
+                "onebit-adam",
+                f"1-bit Adam: momentum + error feedback, {freeze} steps fp32 first",
+                [*small, *onebit, *ef, *mom],
+                1,
+            ),
+            Run("onebit-adam-noef", "1-bit Adam, no error feedback", [*small, *onebit, *no_ef, *mom], 1),
+            Run(
+                "topk-adam",
+                f"top-1% Adam: momentum + residual, {freeze} steps fp32 first",
+                [*small, *topk, *ef, *mom],
+                1,
+            ),
+            Run("topk-adam-noef", "top-1% Adam, no residual", [*small, *topk, *no_ef, *mom], 1),
+        ]
+    runs.append(Run("none-seed1", "none (fp32), seed + 1", [*small, "--train.seed", str(_seed(t) + 1)], 1))
     if warm:
         for key, comp, name, feedback in (
             ("onebit", onebit, "1-bit + error feedback", ef),
@@ -163,12 +182,14 @@ def compression_runs(steps: int, optim: str, lr: float | None, warm: int) -> lis
     return runs
 
 
-def plan(steps: int, lamb_lrs: list[float], big_warmup: int, warm: int = 0) -> tuple[list[Run], list[str]]:
+def plan(
+    steps: int, lamb_lrs: list[float], big_warmup: int, warm: int = 0, freeze: int = 0
+) -> tuple[list[Run], list[str]]:
     """The AdamW runs of parts 1 and 2 and the overrides common to all of them."""
     t = default_config()
     common = common_args("adamw", 0.0)
     every = max(1, steps // 6)
-    runs = compression_runs(steps, "adamw", None, warm)
+    runs = compression_runs(steps, "adamw", None, warm, freeze)
     big_steps = max(1, steps // BIG)
     big = [
         *("--train.global_batch", str(BIG * t["global_batch"]), "--train.steps", str(big_steps)),
@@ -378,64 +399,67 @@ def best_sweep_run(runs: list[Run]) -> Run | None:
     return min(ok, key=lambda r: r.result["val_loss"]) if ok else None
 
 
+def _factor_row(text: str, goal: float, ref: dict | None, res: dict | None) -> list[str]:
+    """Bytes of the last logged step (a compressed one) against the uncompressed run's."""
+    if ref is None or res is None or not res["bytes"]:
+        return [text, "-", "not measured"]
+    factor = ref["bytes"][-1] / res["bytes"][-1]
+    measured = f"{factor:.1f}x ({ref['bytes'][-1]:,.0f} / {res['bytes'][-1]:,.0f} B)"
+    return [text, measured, "met" if factor >= goal else "NOT met"]
+
+
+def _loss_rows(name: str, ref, res, bad, noise, note: str = "") -> list[list[str]]:
+    """'within 5% of uncompressed' for `res`, and 'without error feedback measurably worse' for `bad`."""
+    text = f"{name}: held-out loss within {LOSS_TOLERANCE - 1:.0%} of uncompressed{note}"
+    if ref is None or res is None:
+        return [[text, "-", "not measured"]]
+    ratio = res["val_loss"] / ref["val_loss"]
+    measured = f"{res['val_loss']:.4f} vs {ref['val_loss']:.4f} (x{ratio:.4f})"
+    rows = [[text, measured, "met" if ratio <= LOSS_TOLERANCE else "NOT met"]]
+    text = f"{name}, without error feedback: measurably worse than with it{note}"
+    if bad is None:
+        return rows + [[text, "-", "not measured"]]
+    margin = MIN_WORSE * res["val_loss"]
+    rule = f"{MIN_WORSE:.0%} of the loss"
+    if noise is not None:
+        margin = max(margin, 2 * noise)
+        rule = f"max({MIN_WORSE:.0%} of the loss, 2 x seed-to-seed difference {noise:.4f})"
+    diff = bad["val_loss"] - res["val_loss"]
+    measured = f"{bad['val_loss']:.4f} vs {res['val_loss']:.4f}: +{diff:.4f} (needs > {margin:.4f}: {rule})"
+    ok = not math.isfinite(bad["val_loss"]) or diff > margin  # a diverged run is worse too
+    return rows + [[text, measured.replace("+-", "-"), "met" if ok else "NOT met"]]
+
+
 def targets(runs: list[Run]) -> list[list[str]]:
     """[target, measured, verdict] rows, all computed from the runs."""
     ref, seed = done(runs, "none"), done(runs, "none-seed1")
+    noise = abs(seed["val_loss"] - ref["val_loss"]) if ref and seed else None
+    names = {"onebit": "1-bit", "topk": "top-1%"}
     out = []
     for key, goal in FACTOR_TARGETS.items():
-        name = "1-bit" if key == "onebit" else "top-1%"
-        res = done(runs, key)
-        text = f"{name}: >= {goal:.0f}x fewer gradient bytes than fp32"
-        if ref is None or res is None or not res["bytes"]:
-            out.append([text, "-", "not measured"])
-            continue
-        factor = ref["bytes"][-1] / res["bytes"][-1]
-        measured = f"{factor:.1f}x ({ref['bytes'][-1]:,.0f} / {res['bytes'][-1]:,.0f} B)"
-        out.append([text, measured, "met" if factor >= goal else "NOT met"])
-    noise = abs(seed["val_loss"] - ref["val_loss"]) if ref and seed else None
-    for key in FACTOR_TARGETS:
-        name = "1-bit + error feedback" if key == "onebit" else "top-1% + residual"
-        res, bad = done(runs, key), done(runs, f"{key}-noef")
-        text = f"{name}: held-out loss within {LOSS_TOLERANCE - 1:.0%} of uncompressed"
-        if ref is None or res is None:
-            out.append([text, "-", "not measured"])
-        else:
-            ratio = res["val_loss"] / ref["val_loss"]
-            measured = f"{res['val_loss']:.4f} vs {ref['val_loss']:.4f} (x{ratio:.4f})"
-            out.append([text, measured, "met" if ratio <= LOSS_TOLERANCE else "NOT met"])
-        text = f"{name.split(' + ')[0]} without it: measurably worse than with it"
-        if res is None or bad is None:
-            out.append([text, "-", "not measured"])
-            continue
-        margin = MIN_WORSE * res["val_loss"]
-        rule = f"{MIN_WORSE:.0%} of the loss"
-        if noise is not None:
-            margin = max(margin, 2 * noise)
-            rule = f"max({MIN_WORSE:.0%} of the loss, 2 x seed-to-seed difference {noise:.4f})"
-        diff = bad["val_loss"] - res["val_loss"]
-        measured = (
-            f"{bad['val_loss']:.4f} vs {res['val_loss']:.4f}: +{diff:.4f} (needs > {margin:.4f}: {rule})"
+        out.append(
+            _factor_row(
+                f"{names[key]}: >= {goal:.0f}x fewer gradient bytes than fp32", goal, ref, done(runs, key)
+            )
         )
-        ok = not math.isfinite(bad["val_loss"]) or diff > margin  # a diverged run is worse too
-        out.append([text, measured.replace("+-", "-"), "met" if ok else "NOT met"])
     for key in FACTOR_TARGETS:
+        out += _loss_rows(
+            f"{names[key]} on gradients", ref, done(runs, key), done(runs, f"{key}-noef"), noise
+        )
+    for key, goal in FACTOR_TARGETS.items():  # 1-bit Adam (--freeze-step): the momentum compressed
+        res = done(runs, f"{key}-adam")
+        if res is None:
+            continue
+        name = f"{names[key]} Adam (momentum)"
+        out.append(
+            _factor_row(f"{name}: >= {goal:.0f}x fewer bytes than fp32 after the freeze", goal, ref, res)
+        )
+        out += _loss_rows(name, ref, res, done(runs, f"{key}-adam-noef"), noise)
+    for key in FACTOR_TARGETS:  # --warm-start
         res = done(runs, f"{key}-warm")
-        if ref is None or res is None:
-            continue
-        run = next(r for r in runs if r.key == f"{key}-warm")
-        ratio = res["val_loss"] / ref["val_loss"]
-        text = f"{run.label}: held-out loss within {LOSS_TOLERANCE - 1:.0%} of uncompressed (extra)"
-        measured = f"{res['val_loss']:.4f} vs {ref['val_loss']:.4f} (x{ratio:.4f})"
-        out.append([text, measured, "met" if ratio <= LOSS_TOLERANCE else "NOT met"])
-        bad = done(runs, f"{key}-noef-warm")
-        if bad is None:
-            continue
-        margin = MIN_WORSE * res["val_loss"] if noise is None else max(MIN_WORSE * res["val_loss"], 2 * noise)
-        diff = bad["val_loss"] - res["val_loss"]
-        text = "the same without error feedback: measurably worse than with it (extra)"
-        measured = f"{bad['val_loss']:.4f} vs {res['val_loss']:.4f}: +{diff:.4f} (needs > {margin:.4f})"
-        ok = not math.isfinite(bad["val_loss"]) or diff > margin
-        out.append([text, measured.replace("+-", "-"), "met" if ok else "NOT met"])
+        if res is not None:
+            run = next(r for r in runs if r.key == f"{key}-warm")
+            out += _loss_rows(run.label, ref, res, done(runs, f"{key}-noef-warm"), noise, " (extra)")
     return out
 
 
@@ -655,6 +679,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="also run 1-bit and top-1%% with error feedback after this many uncompressed steps (0: no)",
     )
+    parser.add_argument(
+        "--freeze-step",
+        type=int,
+        default=100,
+        help="AdamW: also run 1-bit Adam (comm.target = momentum) with this comm.freeze_step (0: no)",
+    )
     parser.add_argument("--lamb-lrs", default="1e-2,2e-2,4e-2", help="LAMB peak learning rates to try")
     parser.add_argument("--big-warmup", type=int, default=10, help="warm-up steps of part 2")
     parser.add_argument(
@@ -671,6 +701,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps must be >= {BIG}")
     if not 0 <= args.warm_start < args.steps:
         parser.error("--warm-start must be in [0, --steps)")
+    if not 0 <= args.freeze_step < args.steps:
+        parser.error("--freeze-step must be in [0, --steps)")
     global SEED
     SEED = args.seed
     args.lamb_lrs = _floats(args.lamb_lrs)
@@ -680,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         # the compression runs are planned once the sweep has chosen the lr; their keys are known now
         runs = [r for r in compression_runs(args.steps, "sgd", 1.0, args.warm_start)]
     else:
-        runs, common = plan(args.steps, args.lamb_lrs, args.big_warmup, args.warm_start)
+        runs, common = plan(args.steps, args.lamb_lrs, args.big_warmup, args.warm_start, args.freeze_step)
     if args.only:
         keys = [k.strip() for k in args.only.split(",") if k.strip()]
         unknown = [k for k in keys if k not in {r.key for r in runs}]

@@ -65,6 +65,18 @@ BAD = [
     (None, ["--comm.topk_ratio", "0"], ["comm.topk_ratio must be in (0, 1]"]),
     (None, ["--comm.topk_ratio", "1.5"], ["comm.topk_ratio must be in (0, 1]"]),
     (None, ["--optim.name", "adam"], ["optim.name", "adamw, lamb, lars, sgd"]),
+    (None, ["--comm.target", "weights"], ["comm.target", "gradient, momentum"]),
+    (None, ["--comm.target", "momentum"], ["comm.target = 'momentum'", "'onebit' or 'topk'", "'none'"]),
+    (
+        None,
+        ["--comm.target", "momentum", "--comm.compression", "onebit", "--optim.name", "sgd"],
+        ["optim.name = 'adamw'", "'sgd'"],
+    ),
+    (
+        None,
+        ["--comm.target", "momentum", "--comm.compression", "topk", "--comm.freeze_step", "0"],
+        ["comm.freeze_step must be >= 1", "got 0"],
+    ),
     (None, ["--parallel.bucket_mb", "inf"], ["parallel.bucket_mb", "expected float"]),
     ("[comm]\ntimeout_s = inf\n", [], ["comm.timeout_s", "finite"]),
     (None, ["--data.corpus", "file:/nonexistent/x.txt"], ["/nonexistent/x.txt"]),

@@ -72,6 +72,8 @@ def _residuals(engine) -> dict[str, torch.Tensor] | None:
     as zeros if a bucket has none yet), or None without such a compressor."""
     module = engine.module
     hook = getattr(module, "comm_hook", None)
+    if hasattr(hook, "residual_buffers"):  # 1-bit Adam's momentum compressor
+        return hook.residual_buffers()
     if not hasattr(hook, "residuals"):
         return None
     return {

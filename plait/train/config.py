@@ -132,6 +132,12 @@ class CommConfig:
     compression: str = _f("none", "gradient compression of the dp all-reduce: none, fp16, onebit, topk")
     topk_ratio: float = _f(0.01, "fraction of gradient entries topk sends each step, in (0, 1]")
     error_feedback: bool = _f(True, "carry the compression error into the next step (onebit, topk)")
+    target: str = _f(
+        "gradient",
+        "what onebit/topk compress: gradient (the dp all-reduce) or momentum (1-bit Adam: AdamW's "
+        "momentum, variance frozen after comm.freeze_step uncompressed steps; needs optim.name = adamw)",
+    )
+    freeze_step: int = _f(100, "target = momentum: uncompressed AdamW steps before the variance freezes")
 
 
 @dataclasses.dataclass
@@ -300,6 +306,9 @@ def config_from_dict(data: dict) -> Config:
     return cfg
 
 
+COMM_TARGETS = ("gradient", "momentum")
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
@@ -349,6 +358,7 @@ def validate(cfg: Config) -> None:
         f"comm.compression = {cfg.comm.compression!r} is unknown; valid: {', '.join(COMPRESSIONS)}",
     )
     _require(0 < cfg.comm.topk_ratio <= 1, f"comm.topk_ratio must be in (0, 1], got {cfg.comm.topk_ratio}")
+    _validate_momentum_target(cfg)
     _require(
         cfg.optim.name in OPTIMIZER_NAMES,
         f"optim.name = {cfg.optim.name!r} is unknown; valid: {', '.join(OPTIMIZER_NAMES)}",
@@ -395,6 +405,31 @@ def validate(cfg: Config) -> None:
         "comm.compression with parallel.tp > 1 is not available; set comm.compression = 'none'",
     )
     _validate_pipeline(cfg, m.n_layer)
+
+
+def _validate_momentum_target(cfg: Config) -> None:
+    c = cfg.comm
+    _require(
+        c.target in COMM_TARGETS,
+        f"comm.target = {c.target!r} is unknown; valid: {', '.join(COMM_TARGETS)}",
+    )
+    if c.target != "momentum":
+        return
+    _require(
+        c.compression in ("onebit", "topk"),
+        f"comm.target = 'momentum' (1-bit Adam) needs comm.compression = 'onebit' or 'topk', got "
+        f"{c.compression!r}",
+    )
+    _require(
+        cfg.optim.name == "adamw",
+        f"comm.target = 'momentum' (1-bit Adam) compresses AdamW's momentum: set optim.name = 'adamw' "
+        f"(got {cfg.optim.name!r}), or comm.target = 'gradient'",
+    )
+    _require(
+        1 <= c.freeze_step,
+        f"comm.freeze_step must be >= 1 (uncompressed AdamW steps that learn the variance), "
+        f"got {c.freeze_step}",
+    )
 
 
 def _validate_pipeline(cfg: Config, n_layer: int) -> None:

@@ -29,6 +29,7 @@ from plait.mesh import Mesh, init_distributed
 from plait.models import GPT, gpt_train_flops_per_token
 from plait.optim import allreduce_norms, param_groups
 from plait.optim import build_optimizer as make_optimizer
+from plait.optim.onebit_adam import MomentumHook, OneBitAdam
 from plait.tensor_parallel import apply_tp, without_sequence_parallel
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.train.config import Config, model_config, pipeline_shape
@@ -53,7 +54,15 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path):
     shard_axis = "dp_shard" if p.hybrid_shard else "dp"
     reducer = allreduce_norms(mesh, shard_axis) if p.zero_stage >= 1 else None
 
+    c = cfg.comm
+    momentum_hook = None
+    if c.target == "momentum":  # 1-bit Adam: the optimizer exchanges the momentum, compressed
+        compressor = make_compressor(c.compression, topk_ratio=c.topk_ratio, error_feedback=c.error_feedback)
+        momentum_hook = MomentumHook(compressor, c.freeze_step)
+
     def factory(groups):
+        if momentum_hook is not None:
+            return OneBitAdam(groups, momentum_hook, mesh, "dp", lr=t.lr, betas=(t.beta1, t.beta2))
         return make_optimizer(
             cfg.optim.name,
             groups,
@@ -78,10 +87,9 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path):
             param_groups=lambda part: param_groups(part, t.weight_decay),
         )
 
-    c = cfg.comm
     extra = {}
     if p.zero_stage == 0:
-        extra["comm_hook"] = make_compressor(
+        extra["comm_hook"] = momentum_hook or make_compressor(
             c.compression, topk_ratio=c.topk_ratio, error_feedback=c.error_feedback
         )
     else:
@@ -295,11 +303,20 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     )
     _say(mesh, f"plait: {describe_engine(cfg, engine)}")
     c = cfg.comm
-    if c.compression in ("onebit", "topk") and c.error_feedback and cfg.optim.name in ("adamw", "lamb"):
+    if c.target == "momentum":
         _say(
             mesh,
-            f"plait: note: error feedback ({c.compression}) under {cfg.optim.name} trained worse than "
-            "without it in plait's experiments (Adam's per-coordinate scaling); see docs/compression.md",
+            f"plait: 1-bit Adam: AdamW on uncompressed gradients for {c.freeze_step} steps, then the "
+            f"variance is frozen and the momentum is exchanged with {c.compression} compression "
+            f"({'with' if c.error_feedback else 'without'} error feedback)",
+        )
+    elif c.compression in ("onebit", "topk") and c.error_feedback and cfg.optim.name in ("adamw", "lamb"):
+        _say(
+            mesh,
+            f"plait: note: error feedback ({c.compression}) on gradients under {cfg.optim.name} trained "
+            "worse than without it in plait's experiments (Adam's per-coordinate scaling); "
+            "comm.target = 'momentum' (1-bit Adam) compresses AdamW's momentum instead; "
+            "see docs/compression.md",
         )
 
     bar = tqdm(

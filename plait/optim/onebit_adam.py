@@ -1,0 +1,216 @@
+"""1-bit Adam (Tang et al. 2021, "1-bit Adam: Communication Efficient Large-Scale Training with
+Adam's Convergence Speed"): compress Adam's momentum, not its gradient.
+
+Error feedback on compressed *gradients* breaks Adam: the per-coordinate scale 1/sqrt(v) is
+learned from the compressed gradients themselves, and a coordinate that is silent for many steps
+and then sent in a burst gets a full-size step (measured in docs/compression.md). Tang et al.
+observe that Adam's variance settles early in training, so after a warm-up it can be frozen;
+Adam with a frozen variance is momentum SGD with a fixed per-coordinate preconditioner, and
+error feedback works for that. The algorithm:
+
+1. **Warm-up** (the first `freeze_step` steps): plain AdamW on uncompressed, all-reduced
+   gradients.
+2. **Compression stage**: the variance v (and its bias correction) is frozen. Each rank forms
+   its local momentum m_i = β1·m + (1-β1)·g_i from the shared momentum m of the last step and
+   its own gradient, and the ranks exchange m_i through a plait compressor (`OneBitCompressor`
+   is the paper's; `TopKCompressor` works the same way) with error feedback; the decoded mean is
+   the new shared m, identical on every rank. The step is AdamW's with that m:
+   x <- x·(1 - lr·wd) - lr/(1-β1^t) · m / (sqrt(v/(1-β2^T)) + eps), T = freeze_step.
+
+`OneBitAdam` is the optimizer and `MomentumHook` the DataParallel `comm_hook` that goes with it:
+during the warm-up the hook all-reduces gradients as usual; in the compression stage it leaves
+each rank's own gradient in place (no communication in backward) and the exchange happens in
+`OneBitAdam.step`. The compressor's error-feedback residuals are per rank, kept in units of the
+step (`set_lr_scale`), and saved with checkpoints like the gradient compressors' residuals.
+
+    hook = MomentumHook(OneBitCompressor(), freeze_step=100)
+    model = DataParallel(net, mesh, comm_hook=hook)
+    opt = OneBitAdam(model.parameters(), hook, mesh, lr=3e-3)
+
+Departures from the paper: its second compression (a server-side error-compensated re-compression
+of each chunk of the average, for its all-to-all + all-gather scheme) is replaced by one
+all-gather of every rank's message, decoded identically everywhere, as plait's gradient
+compressors do; the bytes each rank sends are then the message times (N-1), not 2x the message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from plait.data_parallel.ddp import GradBucket, allreduce_mean_hook
+from plait.errors import ConfigError
+
+
+class _Local:
+    """A finished exchange: the bucket keeps this rank's own gradient."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+
+    def wait(self) -> torch.Tensor:
+        return self.buffer
+
+
+class MomentumHook:
+    """DataParallel `comm_hook` of `OneBitAdam`: all-reduce during the warm-up, nothing after it.
+
+    In the compression stage the bucket (which DataParallel filled with gradient / N) is
+    multiplied back by N, so `.grad` holds this rank's own gradient: gradient clipping and the
+    logged gradient norm then see the local gradient. The optimizer exchanges the momentum."""
+
+    def __init__(self, compressor, freeze_step: int):
+        if not hasattr(compressor, "residuals"):
+            raise ConfigError(
+                f"1-bit Adam needs an error-feedback compressor (OneBitCompressor or TopKCompressor), "
+                f"got {type(compressor).__name__}"
+            )
+        if freeze_step < 1:
+            raise ConfigError(
+                f"comm.freeze_step must be >= 1 (uncompressed warm-up steps), got {freeze_step}"
+            )
+        self.compressor = compressor
+        self.freeze_step = int(freeze_step)
+        self.optimizer: OneBitAdam | None = None
+
+    @property
+    def compressing(self) -> bool:
+        """True once the optimizer has taken `freeze_step` steps."""
+        return self.optimizer is not None and self.optimizer.steps_done >= self.freeze_step
+
+    def __call__(self, bucket: GradBucket, mesh, axis: str):
+        if not self.compressing:
+            return allreduce_mean_hook(bucket, mesh, axis)
+        return _Local(bucket.buffer.mul_(mesh.size(axis)))
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Error feedback in units of the step (see plait.comm.compress)."""
+        self.compressor.set_lr_scale(scale)
+
+    def residual_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residuals, one per momentum bucket (zeros where none yet),
+        for checkpoints."""
+        if self.optimizer is None:
+            return {}
+        res = self.compressor.residuals
+        return {
+            str(b.index): res.setdefault(b.index, torch.zeros_like(b.buffer)) for b in self.optimizer.buckets
+        }
+
+
+class OneBitAdam(torch.optim.Optimizer):
+    """AdamW that, after `hook.freeze_step` uncompressed steps, freezes its variance and exchanges
+    its momentum through `hook.compressor` with error feedback (Tang et al. 2021).
+
+    Before the freeze it equals `torch.optim.AdamW` (decoupled weight decay, bias correction).
+    `params` may be param groups (per-group lr, betas, eps, weight_decay). Every rank of `axis`
+    must step the same parameters in the same order (the momentum is exchanged in buckets of up
+    to `bucket_mb` MB, in parameter order). A parameter without a gradient in the compression
+    stage contributes a zero gradient to its momentum, which keeps decaying.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        hook: MomentumHook,
+        mesh,
+        axis: str = "dp",
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        bucket_mb: float = 25.0,
+    ):
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(
+                f"invalid OneBitAdam hyperparameters: lr={lr}, betas={betas}, eps={eps}, wd={weight_decay}"
+            )
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        if hook.optimizer is not None:
+            raise ConfigError("this MomentumHook already belongs to another OneBitAdam")
+        hook.optimizer = self
+        self.hook, self.mesh, self.axis = hook, mesh, axis
+        self._n = mesh.size(axis)
+        self.buckets = self._build_buckets(int(bucket_mb * 1e6))
+        self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+
+    def _build_buckets(self, capacity: int) -> list[GradBucket]:
+        params = [p for g in self.param_groups for p in g["params"]]
+        chunks, current, size = [], [], 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if current and (size + nbytes > capacity or p.dtype != current[0].dtype):
+                chunks.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            chunks.append(current)
+        return [GradBucket(i, ps, [f"param{j}" for j in range(len(ps))]) for i, ps in enumerate(chunks)]
+
+    @property
+    def steps_done(self) -> int:
+        """Steps taken so far (read from the optimizer state, so it survives checkpoints)."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state.get(p)
+                if st and "step" in st:
+                    return int(st["step"])
+        return 0
+
+    def _state(self, p: torch.Tensor) -> dict:
+        st = self.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return st
+
+    @torch.no_grad()
+    def _exchange_momentum(self) -> None:
+        """m <- decoded mean over ranks of compress(β1·m + (1-β1)·g_i), with error feedback."""
+        handles = []
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                beta1 = self._group_of[id(p)]["betas"][0]
+                local = b.view(i).copy_(self._state(p)["exp_avg"])
+                if p.grad is not None:
+                    local.lerp_(p.grad, 1 - beta1)
+                else:
+                    local.mul_(beta1)
+                local.div_(self._n)  # the compressors sum the ranks' contributions
+            handles.append(self.hook.compressor(b, self.mesh, self.axis))
+        for b, h in zip(self.buckets, handles):
+            h.wait()
+            for i, p in enumerate(b.params):
+                self.state[p]["exp_avg"].copy_(b.view(i))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        compressing = self.steps_done >= self.hook.freeze_step
+        if compressing:
+            self._exchange_momentum()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None and not (compressing and self.state.get(p)):
+                    continue
+                st = self._state(p)
+                st["step"] += 1
+                t = float(st["step"])
+                p.mul_(1 - lr * wd)
+                if compressing:  # exp_avg is the exchanged momentum; the variance stays frozen
+                    bc2 = 1 - beta2**self.hook.freeze_step
+                else:
+                    st["exp_avg"].lerp_(p.grad, 1 - beta1)
+                    st["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                    bc2 = 1 - beta2**t
+                denom = (st["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(eps)
+                p.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - beta1**t))
+        return loss
