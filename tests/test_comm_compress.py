@@ -234,6 +234,72 @@ def test_compressed_ddp_keeps_replicas_identical(world):
     assert ratios["topk"] < 0.1 * world / 2 + 0.01  # 5% of entries, 8 bytes each, gathered
 
 
+def _compressed_zero():
+    """ZeRO-1/2 with each compressor in place of the reduce-scatter, against DataParallel."""
+    from plait import zero
+
+    n = dist.get_world_size()
+    mesh = Mesh(dp=n, timeout_s=60)
+    out = {}
+    for stage in (0, 1, 2):
+        for name in ("none", "fp16", "onebit", "topk", "topk-all"):
+            mesh.ledger.clear()
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+            hook = make_compressor(name.split("-")[0], topk_ratio=1.0 if name == "topk-all" else 0.05)
+            engine = zero.wrap(
+                model, mesh, stage, lambda g: torch.optim.SGD(g, lr=0.1), bucket_mb=0.004, comm_hook=hook
+            )
+            gen = torch.Generator().manual_seed(100 + dist.get_rank())  # different data on each rank
+            for step in range(4):
+                if hasattr(hook, "set_lr_scale"):  # as the trainer does: error feedback in step units
+                    hook.set_lr_scale(0.3 + 0.2 * step)
+                mesh.ledger.set_step(step)
+                x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+                nn.functional.mse_loss(engine.module(x), y).backward()
+                engine.step()
+                engine.zero_grad()
+            mesh.ledger.set_step(-1)
+            full = engine.full_parameters()
+            flat = torch.cat([full[k].reshape(-1) for k in sorted(full)])
+            everyone = torch.empty(n * flat.numel())
+            comm.all_gather(everyone, flat, mesh, "dp")
+            rows = everyone.view(n, -1)
+            assert all(torch.equal(rows[0], rows[r]) for r in range(n)), (
+                f"stage {stage} {name}: replicas differ"
+            )
+            ops = {op: (r.bus_bytes, r.logical_bytes) for (op, _), r in mesh.ledger.rows(3).items()}
+            out[(stage, name)] = (flat, ops)
+            engine.close()
+    mesh.close()
+    for stage in (1, 2):
+        # a lossless top-k equals the uncompressed reduce-scatter; 1-bit and fp16 see the same
+        # buckets as under DataParallel, so they train the same parameters
+        torch.testing.assert_close(out[(stage, "topk-all")][0], out[(stage, "none")][0], atol=1e-6, rtol=0)
+        for name in ("onebit", "fp16", "none"):
+            torch.testing.assert_close(out[(stage, name)][0], out[(0, name)][0], atol=1e-6, rtol=0)
+    return {f"{s}-{k}": v[1] for (s, k), v in out.items()}
+
+
+@pytest.mark.parametrize("world", [2])
+def test_compressors_replace_the_zero_reduce_scatter(world):
+    ops = run_ranks(_compressed_zero, world, timeout=240)[0]
+    for stage in ("1", "2"):
+        plain = ops[f"{stage}-none"]["reduce_scatter"]
+        half = ops[f"{stage}-fp16"]["reduce_scatter"]
+        assert half[0] == plain[0] / 2 and half[1] == plain[1]  # half the bytes, standing for fp32
+        for name in ("onebit", "topk"):  # gathered instead; ZeRO's parameter all-gather is the same in all
+            assert "reduce_scatter" not in ops[f"{stage}-{name}"]
+            sent, stands_for = (
+                a - b
+                for a, b in zip(ops[f"{stage}-{name}"]["all_gather"], ops[f"{stage}-none"]["all_gather"])
+            )
+            assert stands_for == plain[1], name  # the fp32 gradient buckets
+            assert 0 < sent < plain[0] / 4, (
+                name
+            )  # 1-bit ~1/16, top-5% ~1/5 of the fp32 reduce-scatter at N = 2
+
+
 def test_onebit_sgd_converges_with_error_feedback_and_stalls_without():
     """Seide et al.'s claim on a least-squares problem: 2 simulated ranks, SGD on quantised
     gradients. With error feedback the error goes to ~0 like uncompressed SGD; without it, it stalls."""

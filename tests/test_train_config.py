@@ -66,6 +66,17 @@ BAD = [
     (None, ["--comm.topk_ratio", "1.5"], ["comm.topk_ratio must be in (0, 1]"]),
     (None, ["--optim.name", "adam"], ["optim.name", "adamw, lamb, lars, sgd"]),
     (None, ["--comm.target", "weights"], ["comm.target", "gradient, momentum"]),
+    (None, ["--comm.compression", "fp16", "--parallel.zero_stage", "3"], ["zero_stage = 3 has none"]),
+    (
+        None,
+        ["--comm.compression", "onebit", "--parallel.zero_stage", "2", "--train.bf16", "true"],
+        ["needs fp32", "train.bf16 = false"],
+    ),
+    (
+        None,
+        ["--comm.compression", "onebit", "--comm.target", "momentum", "--parallel.zero_stage", "1"],
+        ["zero_stage = 0 only"],
+    ),
     (None, ["--comm.target", "momentum"], ["comm.target = 'momentum'", "'onebit' or 'topk'", "'none'"]),
     (
         None,

@@ -7,6 +7,10 @@ so summing the ranks' (decompressed) contributions gives the mean. Every rank de
 gathered bytes the same way, so the replicas stay identical.
 
 * `FP16Compressor`: all-reduce in half precision (2x fewer bytes).
+
+Each also has `reduce_scatter(bucket, out, lo, hi, mesh, axis)` for ZeRO-1/2 (`plait.zero.wrap(...,
+comm_hook=...)`): fp16 reduce-scatters in half precision; 1-bit and top-k gather and decode the
+whole bucket as above and keep the rank's shard.
 * `OneBitCompressor`: 1-bit SGD (Seide et al. 2014, "1-Bit Stochastic Gradient Descent and its
   Application to Data-Parallel Distributed Training of Speech DNNs"). Each column of a
   parameter's gradient (plus the carried error) is quantised at threshold 0 to one bit; the two
@@ -61,6 +65,13 @@ class _ErrorFeedback:
         keeps the previous one: the residual would otherwise be divided by zero."""
         if scale > 0:
             self.lr_scale = float(scale)
+
+    def reduce_scatter(self, bucket, out: torch.Tensor, lo: int, hi: int, mesh: Mesh, axis: str):
+        """ZeRO-1/2's exchange: every rank's message is gathered and decoded whole, as for
+        DataParallel (so the residual covers the whole bucket), and this rank keeps its shard
+        ``buffer[lo:hi]`` in `out`."""
+        handle = self(bucket, mesh, axis)
+        return _Then(handle, lambda: out.copy_(bucket.buffer[lo:hi]))
 
     def _accumulated(self, bucket: GradBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale·gradient + residual, the residual tensor to update)."""
@@ -157,6 +168,13 @@ class FP16Compressor:
         half = flat.to(self.dtype)
         handle = comm.all_reduce(half, mesh, axis, async_op=True, logical_bytes=flat.numel() * 4)
         return _Then(handle, lambda: flat.copy_(half))
+
+    def reduce_scatter(self, bucket, out: torch.Tensor, lo: int, hi: int, mesh: Mesh, axis: str):
+        """ZeRO-1/2's exchange: a reduce-scatter in half precision; this rank's shard goes to `out`."""
+        flat = bucket.buffer
+        half, part = flat.to(self.dtype), torch.empty(hi - lo, dtype=self.dtype, device=flat.device)
+        handle = comm.reduce_scatter(part, half, mesh, axis, async_op=True, logical_bytes=flat.numel() * 4)
+        return _Then(handle, lambda: out.copy_(part))
 
 
 class OneBitCompressor(_ErrorFeedback):

@@ -143,9 +143,17 @@ def all_gather(
 
 
 def reduce_scatter(
-    output: torch.Tensor, tensor: torch.Tensor, mesh: Mesh, axis: str, op: str = "sum", async_op: bool = False
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    mesh: Mesh,
+    axis: str,
+    op: str = "sum",
+    async_op: bool = False,
+    logical_bytes: int | None = None,
 ):
-    """Reduce `tensor` over `axis` and leave this rank's 1/N slice (along dim 0) in `output`."""
+    """Reduce `tensor` over `axis` and leave this rank's 1/N slice (along dim 0) in `output`.
+
+    `logical_bytes`: for the ledger, the uncompressed payload this reduce-scatter stands for."""
     n = mesh.size(axis)
     if tensor.numel() != output.numel() * n:
         raise CommError(
@@ -163,6 +171,7 @@ def reduce_scatter(
         lambda g: dist.reduce_scatter_single(output, tensor, op=rop, group=g, async_op=True),
         async_op,
         output,
+        logical_bytes=logical_bytes,
     )
     return h if async_op else output
 

@@ -68,17 +68,10 @@ def _set_rng_state(t: torch.Tensor) -> None:
 
 
 def _residuals(engine) -> dict[str, torch.Tensor] | None:
-    """The gradient compressor's error-feedback residuals of this rank, one per bucket (created
-    as zeros if a bucket has none yet), or None without such a compressor."""
-    module = engine.module
-    hook = getattr(module, "comm_hook", None)
-    if hasattr(hook, "residual_buffers"):  # 1-bit Adam's momentum compressor
-        return hook.residual_buffers()
-    if not hasattr(hook, "residuals"):
-        return None
-    return {
-        str(b.index): hook.residuals.setdefault(b.index, torch.zeros_like(b.buffer)) for b in module.buckets
-    }
+    """This rank's error-feedback residuals (gradient compression, 1-bit Adam), one per bucket,
+    or None when the engine has none."""
+    get = getattr(engine, "residual_buffers", None)
+    return get() if get is not None else None
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -529,10 +529,20 @@ def _validate_zero(cfg: Config) -> None:
         "offload.optimizer = 'disk' cannot run optim.name = lamb/lars on sharded layers (their norms "
         "need all of a layer at once); use cpu offload or adamw/sgd",
     )
+    c = cfg.comm
     _require(
-        p.zero_stage == 0 or cfg.comm.compression == "none",
-        f"comm.compression = {cfg.comm.compression!r} compresses the stage-0 all-reduce; with "
-        f"parallel.zero_stage = {p.zero_stage} set comm.compression = 'none'",
+        p.zero_stage <= 2 or c.compression == "none",
+        f"comm.compression = {c.compression!r} compresses the gradient all-reduce (stage 0) or "
+        f"reduce-scatter (stages 1-2); parallel.zero_stage = 3 has none: set comm.compression = 'none'",
+    )
+    _require(
+        p.zero_stage == 0 or c.compression == "none" or not cfg.train.bf16,
+        f"comm.compression = {c.compression!r} with parallel.zero_stage = {p.zero_stage} needs fp32 "
+        "gradients: set train.bf16 = false, or comm.compression = 'none'",
+    )
+    _require(
+        p.zero_stage == 0 or c.target == "gradient",
+        f"comm.target = 'momentum' (1-bit Adam) runs with parallel.zero_stage = 0 only, got {p.zero_stage}",
     )
     if o.optimizer == "disk" and o.path:
         check_writable_dir(o.path, "offload.path")

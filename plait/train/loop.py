@@ -88,11 +88,11 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path):
         )
 
     extra = {}
-    if p.zero_stage == 0:
+    if p.zero_stage <= 2:  # stage 0: the bucket all-reduce; stages 1-2: the bucket reduce-scatter
         extra["comm_hook"] = momentum_hook or make_compressor(
             c.compression, topk_ratio=c.topk_ratio, error_feedback=c.error_feedback
         )
-    else:
+    if p.zero_stage > 0:
         extra.update(
             mixed_precision="bf16" if t.bf16 else None,
             hybrid_shard=p.hybrid_shard or None,
@@ -334,7 +334,7 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     timeline_step = min(start + 3, last) if pipelined else -1
     window_t0, window_steps, loss, val_loss = time.perf_counter(), 0, float("nan"), None
     fault = _injected_fault()
-    hook = getattr(model, "comm_hook", None)
+    hook = getattr(engine, "comm_hook", None)
     lr_scaled = hook if hasattr(hook, "set_lr_scale") else None
     for step in range(start + 1, last + 1):
         mesh.ledger.set_step(step)

@@ -102,6 +102,23 @@ class Stage0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm), foreach=True)
         return norm
 
+    @property
+    def comm_hook(self):
+        return self.module.comm_hook
+
+    def residual_buffers(self) -> dict[str, torch.Tensor] | None:
+        """This rank's error-feedback residuals, one per bucket (zeros where none yet), for
+        checkpoints; None without an error-feedback compressor."""
+        hook = self.module.comm_hook
+        if hasattr(hook, "residual_buffers"):  # 1-bit Adam's momentum compressor
+            return hook.residual_buffers()
+        if not hasattr(hook, "residuals"):
+            return None
+        return {
+            str(b.index): hook.residuals.setdefault(b.index, torch.zeros_like(b.buffer))
+            for b in self.module.buckets
+        }
+
     def step(self) -> None:
         self._sync_tp()
         self.optimizer.step()
@@ -173,7 +190,9 @@ def wrap(
         delayed_update: ZeRO-Offload's one-step delayed parameter update (needs offload).
         wrap_policy: stage 3 units, `policy(name, module) -> bool` (default: transformer blocks).
         reshard_after_forward: stage 3 frees gathered parameters after each unit's forward.
-        comm_hook: stage 0 only, replaces DataParallel's bucket all-reduce (e.g. a compressor).
+        comm_hook: a compressor of `plait.comm.compress` (stages 0-2; fp32 gradients from stage 1):
+            it replaces DataParallel's bucket all-reduce (stage 0) or the bucket reduce-scatter
+            (stages 1-2, through its `reduce_scatter`).
 
     Returns an engine with `module` (call it), `optimizer` (the torch optimizer, for LR
     schedulers), `step()`, `zero_grad()`, `clip_grad_norm_(max)`, `grad_norm()`, `no_sync()`,
@@ -206,8 +225,11 @@ def wrap(
             allow_unused=allow_unused,
             comm_hook=comm_hook,
         )
-    if comm_hook is not None:
-        raise ConfigError("comm_hook replaces the stage-0 all-reduce; ZeRO stages reduce-scatter instead")
+    if comm_hook is not None and stage == 3:
+        raise ConfigError(
+            "comm_hook (gradient compression) replaces the stage-0 all-reduce or the stage-1/2 "
+            "reduce-scatter; ZeRO-3 has none"
+        )
     shard_axis, replicate_axis = "dp", None
     if hybrid_shard:
         try:
@@ -231,7 +253,14 @@ def wrap(
     )
     if stage in (1, 2):
         engine = ZeroOptimizer(
-            model, mesh, optimizer, stage=stage, bucket_mb=bucket_mb, allow_unused=allow_unused, **common
+            model,
+            mesh,
+            optimizer,
+            stage=stage,
+            bucket_mb=bucket_mb,
+            allow_unused=allow_unused,
+            comm_hook=comm_hook,
+            **common,
         )
     else:
         engine = ZeroStage3(

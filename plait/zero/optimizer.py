@@ -52,6 +52,20 @@ class _Bucket:
         return self.grad_buf
 
 
+class _HookBucket:
+    """A ZeRO bucket as a `plait.comm.compress` compressor reads it (DataParallel's GradBucket
+    interface): its index, parameters, their offsets and the (padded) gradient buffer."""
+
+    def __init__(self, bucket: _Bucket):
+        self._bucket = bucket
+        self.index, self.params = bucket.index, bucket.params
+        self.offsets = list(bucket.layout.offsets)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self._bucket.alloc_grad()
+
+
 class ZeroOptimizer(ShardedEngine):
     """ZeRO stage 1 or 2 over `module` (use `plait.zero.wrap` rather than this class directly).
 
@@ -74,6 +88,7 @@ class ZeroOptimizer(ShardedEngine):
         offload_path=None,
         delayed_update: bool = False,
         allow_unused: bool = False,
+        comm_hook=None,
     ):
         if stage not in (1, 2):
             raise ConfigError(f"ZeroOptimizer handles stages 1 and 2, got {stage}")
@@ -82,6 +97,14 @@ class ZeroOptimizer(ShardedEngine):
         self._init_layout(module, mesh, shard_axis, replicate_axis, compute_dtype, offload, delayed_update)
         self.stage = stage
         self.allow_unused = allow_unused
+        if comm_hook is not None and not hasattr(comm_hook, "reduce_scatter"):
+            raise ConfigError(
+                f"comm_hook {type(comm_hook).__name__} has no reduce_scatter(): ZeRO-1/2 takes the "
+                "compressors of plait.comm.compress"
+            )
+        if comm_hook is not None and compute_dtype != torch.float32:
+            raise ConfigError("gradient compression under ZeRO needs fp32 gradients (mixed_precision=None)")
+        self.comm_hook = comm_hook
         self._sync = True
         self._queued = False
         self._next_launch = 0
@@ -172,7 +195,13 @@ class ZeroOptimizer(ShardedEngine):
             if len(b.ready) < len(b.params):
                 return
             b.out = torch.empty(b.layout.shard_numel, dtype=b.grad_buf.dtype, device=b.grad_buf.device)
-            b.handle = comm.reduce_scatter(b.out, b.grad_buf, self.mesh, self.shard_axis, async_op=True)
+            if self.comm_hook is None:
+                b.handle = comm.reduce_scatter(b.out, b.grad_buf, self.mesh, self.shard_axis, async_op=True)
+            else:  # a compressor (plait.comm.compress) in place of the reduce-scatter
+                lo, hi = b.layout.shard_range(self.rank)
+                b.handle = self.comm_hook.reduce_scatter(
+                    _HookBucket(b), b.out, lo, hi, self.mesh, self.shard_axis
+                )
             self._next_launch += 1
 
     def _finish_backward(self) -> None:
@@ -227,6 +256,19 @@ class ZeroOptimizer(ShardedEngine):
             if self.master_is_separate:
                 b.flat[lo:hi].copy_(g.master)
             comm.all_gather(b.flat, b.flat[lo:hi].clone(), self.mesh, self.shard_axis)
+
+    def residual_buffers(self) -> dict[str, torch.Tensor] | None:
+        """This rank's error-feedback residuals, one per bucket (zeros where none yet), for
+        checkpoints; None without an error-feedback compressor."""
+        res = getattr(self.comm_hook, "residuals", None)
+        if res is None:
+            return None
+        return {
+            str(b.index): res.setdefault(
+                b.index, torch.zeros(b.layout.padded, dtype=b.flat.dtype, device=b.flat.device)
+            )
+            for b in self.buckets
+        }
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.shards.zero_grad()
