@@ -12,6 +12,7 @@ from plait import comm
 from plait.comm.compress import (
     FP16Compressor,
     OneBitCompressor,
+    PowerSGDCompressor,
     TopKCompressor,
     column_groups,
     make_compressor,
@@ -174,26 +175,56 @@ def test_topk_keeps_exactly_ceil_rn_and_the_rest_stays():
         assert (4 * n) / (8 * k) >= (40 if r == 0.01 and n >= 1000 else 0)
 
 
+class _OneRank:
+    """A mesh of one rank: plait.comm's collectives return at once."""
+
+    def size(self, axis: str) -> int:
+        return 1
+
+
+def test_powersgd_reconstructs_a_low_rank_matrix_and_keeps_the_rest():
+    torch.manual_seed(0)
+    low = torch.randn(16, 2) @ torch.randn(2, 12)  # rank 2
+    vec, full = torch.randn(5), torch.randn(16, 12)  # a vector is sent exactly
+    c = PowerSGDCompressor(rank=2)
+    b = _bucket([(16, 12), (5,)], torch.cat([low.reshape(-1), vec]))
+    out = c(b, _OneRank(), "dp").wait()
+    torch.testing.assert_close(out, torch.cat([low.reshape(-1), vec]), atol=1e-5, rtol=0)
+    assert float(c.residuals[0].abs().max()) < 1e-5
+    # a full-rank matrix: the decoded part and the residual add up to what was to be sent
+    c = PowerSGDCompressor(rank=2)
+    b = _bucket([(16, 12), (5,)], torch.cat([full.reshape(-1), vec]))
+    sent = c(b, _OneRank(), "dp").wait().clone()
+    torch.testing.assert_close(sent + c.residuals[0], torch.cat([full.reshape(-1), vec]), atol=1e-5, rtol=0)
+    assert float(c.residuals[0][:192].norm()) > 0.3 * float(full.norm()) and not c.residuals[0][192:].any()
+    # rank r <= min(n, m) only: a (4, 12) matrix at rank 4 has nothing to save and is sent exactly
+    assert [i for i, *_ in PowerSGDCompressor(rank=4)._matrices(_bucket([(4, 12), (16, 12)]))] == [1]
+
+
 def test_bad_compression_settings():
-    with pytest.raises(ConfigError, match="none, fp16, onebit, topk"):
+    with pytest.raises(ConfigError, match="none, fp16, onebit, topk, powersgd"):
         make_compressor("twobit")
     for r in (0.0, -0.1, 1.5):
         with pytest.raises(ConfigError, match="topk_ratio"):
             make_compressor("topk", topk_ratio=r)
     assert make_compressor("none") is None and isinstance(make_compressor("fp16"), FP16Compressor)
+    with pytest.raises(ConfigError, match="powersgd_rank must be >= 1"):
+        make_compressor("powersgd", powersgd_rank=0)
 
 
 def _compressed_ddp():
     n = dist.get_world_size()
     mesh = Mesh(dp=n, timeout_s=60)
     results, final = {}, {}
-    for name in ("fp16", "onebit", "topk", "none", "topk-all"):
+    for name in ("fp16", "onebit", "topk", "powersgd", "none", "topk-all"):
         mesh.ledger.clear()
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
         params = sum(p.numel() for p in model.parameters())
         # "topk-all" keeps every entry: under a changing lr scale it must equal plain DDP ("none")
-        hook = make_compressor(name.split("-")[0], topk_ratio=1.0 if name == "topk-all" else 0.05)
+        hook = make_compressor(
+            name.split("-")[0], topk_ratio=1.0 if name == "topk-all" else 0.05, powersgd_rank=2
+        )
         ddp = DataParallel(model, mesh, bucket_mb=0.004, comm_hook=hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(100 + dist.get_rank())  # different data on each rank
@@ -216,9 +247,10 @@ def _compressed_ddp():
             ddp.remove_hooks()
             continue
         ledger = mesh.ledger.rows(4)
-        op = "all_reduce" if name == "fp16" else "all_gather"
+        op = "all_reduce" if name in ("fp16", "powersgd") else "all_gather"
         row = ledger[(op, "dp")]
-        assert row.logical_bytes == 4 * params and row.count == len(ddp.buckets)
+        calls = 2 if name == "powersgd" else 1  # P, then Q (a bucket of vectors only has no Q)
+        assert row.logical_bytes == 4 * params and len(ddp.buckets) <= row.count <= calls * len(ddp.buckets)
         results[name] = row.bus_bytes / (2 * (n - 1) / n * 4 * params)  # vs an fp32 all-reduce
         ddp.remove_hooks()
     torch.testing.assert_close(final["topk-all"], final["none"], atol=1e-6, rtol=0)
@@ -232,6 +264,8 @@ def test_compressed_ddp_keeps_replicas_identical(world):
     assert abs(ratios["fp16"] - 0.5) < 1e-9
     assert ratios["onebit"] < 1 / 20 * world / 2 + 0.05  # 1/32 of fp32 plus scales, gathered
     assert ratios["topk"] < 0.1 * world / 2 + 0.01  # 5% of entries, 8 bytes each, gathered
+    # rank 2: (64 + 32) x 2 and (8 + 64) x 2 floats for the matrices, the 72 bias entries exactly
+    assert abs(ratios["powersgd"] - (2 * 96 + 2 * 72 + 72) / (32 * 64 + 64 + 64 * 8 + 8)) < 1e-9
 
 
 def _compressed_zero():
@@ -242,11 +276,13 @@ def _compressed_zero():
     mesh = Mesh(dp=n, timeout_s=60)
     out = {}
     for stage in (0, 1, 2):
-        for name in ("none", "fp16", "onebit", "topk", "topk-all"):
+        for name in ("none", "fp16", "onebit", "topk", "powersgd", "topk-all"):
             mesh.ledger.clear()
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
-            hook = make_compressor(name.split("-")[0], topk_ratio=1.0 if name == "topk-all" else 0.05)
+            hook = make_compressor(
+                name.split("-")[0], topk_ratio=1.0 if name == "topk-all" else 0.05, powersgd_rank=2
+            )
             engine = zero.wrap(
                 model, mesh, stage, lambda g: torch.optim.SGD(g, lr=0.1), bucket_mb=0.004, comm_hook=hook
             )
@@ -273,10 +309,10 @@ def _compressed_zero():
             engine.close()
     mesh.close()
     for stage in (1, 2):
-        # a lossless top-k equals the uncompressed reduce-scatter; 1-bit and fp16 see the same
-        # buckets as under DataParallel, so they train the same parameters
+        # a lossless top-k equals the uncompressed reduce-scatter; 1-bit, PowerSGD and fp16 see
+        # the same buckets as under DataParallel, so they train the same parameters
         torch.testing.assert_close(out[(stage, "topk-all")][0], out[(stage, "none")][0], atol=1e-6, rtol=0)
-        for name in ("onebit", "fp16", "none"):
+        for name in ("onebit", "powersgd", "fp16", "none"):
             torch.testing.assert_close(out[(stage, name)][0], out[(0, name)][0], atol=1e-6, rtol=0)
     return {f"{s}-{k}": v[1] for (s, k), v in out.items()}
 

@@ -61,7 +61,8 @@ BAD = [
     ("steps = 5\n", [], ["top-level key 'steps'"]),
     (None, ["--train.steps"], ["--train.steps needs a value"]),
     (None, ["--train.steps", "5", "extra"], ["unexpected argument 'extra'"]),
-    (None, ["--comm.compression", "twobit"], ["comm.compression", "none, fp16, onebit, topk"]),
+    (None, ["--comm.compression", "twobit"], ["comm.compression", "none, fp16, onebit, topk, powersgd"]),
+    (None, ["--comm.powersgd_rank", "0"], ["comm.powersgd_rank must be >= 1"]),
     (None, ["--comm.topk_ratio", "0"], ["comm.topk_ratio must be in (0, 1]"]),
     (None, ["--comm.topk_ratio", "1.5"], ["comm.topk_ratio must be in (0, 1]"]),
     (None, ["--optim.name", "adam"], ["optim.name", "adamw, lamb, lars, sgd"]),
@@ -77,7 +78,11 @@ BAD = [
         ["--comm.compression", "onebit", "--comm.target", "momentum", "--parallel.zero_stage", "1"],
         ["zero_stage = 0 only"],
     ),
-    (None, ["--comm.target", "momentum"], ["comm.target = 'momentum'", "'onebit' or 'topk'", "'none'"]),
+    (
+        None,
+        ["--comm.target", "momentum"],
+        ["comm.target = 'momentum'", "'onebit', 'topk' or 'powersgd'", "'none'"],
+    ),
     (
         None,
         ["--comm.target", "momentum", "--comm.compression", "onebit", "--optim.name", "sgd"],

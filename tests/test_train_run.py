@@ -93,13 +93,18 @@ def test_layout_independent_losses(reference_run, tmp_path):
     assert b[8] < b[1] - 0.05
 
 
-@pytest.mark.parametrize("target,stage", [("gradient", 0), ("momentum", 0), ("gradient", 2)])
-def test_resume_with_error_feedback_restores_the_residuals(tmp_path, target, stage):
+@pytest.mark.parametrize(
+    "compression,target,stage",
+    [("topk", "gradient", 0), ("topk", "momentum", 0), ("topk", "gradient", 2), ("powersgd", "gradient", 0)],
+)
+def test_resume_with_error_feedback_restores_the_residuals(tmp_path, compression, target, stage):
     # The residual is part of the training state: without it the resumed steps would differ.
     # With target = momentum (1-bit Adam) the stop at step 4 falls in the compression stage;
-    # under ZeRO-2 the compressor replaces the gradient reduce-scatter.
-    comp = ("--parallel.dp", "2", "--comm.compression", "topk", "--comm.topk_ratio", "0.05")
+    # under ZeRO-2 the compressor replaces the gradient reduce-scatter; PowerSGD's warm-start
+    # matrices are state too.
+    comp = ("--parallel.dp", "2", "--comm.compression", compression, "--comm.topk_ratio", "0.05")
     comp += ("--comm.target", target, "--comm.freeze_step", "2", "--parallel.zero_stage", str(stage))
+    comp += ("--comm.powersgd_rank", "2")
     ref, run = tmp_path / "ref", tmp_path / "run"
     r = plait_train(*TINY, *comp, "--train.run_dir", str(ref))
     assert r.returncode == 0, r.stderr

@@ -62,9 +62,10 @@ class MomentumHook:
     logged gradient norm then see the local gradient. The optimizer exchanges the momentum."""
 
     def __init__(self, compressor, freeze_step: int):
-        if not hasattr(compressor, "residuals"):
+        if not hasattr(compressor, "state_tensors"):
             raise ConfigError(
-                f"1-bit Adam needs an error-feedback compressor (OneBitCompressor or TopKCompressor), "
+                f"1-bit Adam needs an error-feedback compressor (OneBitCompressor, TopKCompressor or "
+                "PowerSGDCompressor), "
                 f"got {type(compressor).__name__}"
             )
         if freeze_step < 1:
@@ -94,10 +95,7 @@ class MomentumHook:
         for checkpoints."""
         if self.optimizer is None:
             return {}
-        res = self.compressor.residuals
-        return {
-            str(b.index): res.setdefault(b.index, torch.zeros_like(b.buffer)) for b in self.optimizer.buckets
-        }
+        return self.compressor.state_tensors(self.optimizer.buckets)
 
 
 class OneBitAdam(torch.optim.Optimizer):

@@ -129,12 +129,17 @@ class CommConfig:
     """Communication."""
 
     timeout_s: float = _f(300.0, "a collective pending longer than this is a hang: the job is stopped")
-    compression: str = _f("none", "gradient compression of the dp all-reduce: none, fp16, onebit, topk")
+    compression: str = _f(
+        "none",
+        "gradient compression of the dp all-reduce (ZeRO-1/2: reduce-scatter): "
+        "none, fp16, onebit, topk, powersgd",
+    )
     topk_ratio: float = _f(0.01, "fraction of gradient entries topk sends each step, in (0, 1]")
-    error_feedback: bool = _f(True, "carry the compression error into the next step (onebit, topk)")
+    powersgd_rank: int = _f(4, "rank of powersgd's low-rank approximation of each weight matrix, >= 1")
+    error_feedback: bool = _f(True, "carry the compression error into the next step (onebit, topk, powersgd)")
     target: str = _f(
         "gradient",
-        "what onebit/topk compress: gradient (the dp all-reduce) or momentum (1-bit Adam: AdamW's "
+        "what onebit/topk/powersgd compress: gradient (the dp all-reduce) or momentum (1-bit Adam: AdamW's "
         "momentum, variance frozen after comm.freeze_step uncompressed steps; needs optim.name = adamw)",
     )
     freeze_step: int = _f(100, "target = momentum: uncompressed AdamW steps before the variance freezes")
@@ -358,6 +363,7 @@ def validate(cfg: Config) -> None:
         f"comm.compression = {cfg.comm.compression!r} is unknown; valid: {', '.join(COMPRESSIONS)}",
     )
     _require(0 < cfg.comm.topk_ratio <= 1, f"comm.topk_ratio must be in (0, 1], got {cfg.comm.topk_ratio}")
+    _require(cfg.comm.powersgd_rank >= 1, f"comm.powersgd_rank must be >= 1, got {cfg.comm.powersgd_rank}")
     _validate_momentum_target(cfg)
     _require(
         cfg.optim.name in OPTIMIZER_NAMES,
@@ -416,9 +422,9 @@ def _validate_momentum_target(cfg: Config) -> None:
     if c.target != "momentum":
         return
     _require(
-        c.compression in ("onebit", "topk"),
-        f"comm.target = 'momentum' (1-bit Adam) needs comm.compression = 'onebit' or 'topk', got "
-        f"{c.compression!r}",
+        c.compression in ("onebit", "topk", "powersgd"),
+        f"comm.target = 'momentum' (1-bit Adam) needs comm.compression = 'onebit', 'topk' or 'powersgd', "
+        f"got {c.compression!r}",
     )
     _require(
         cfg.optim.name == "adamw",

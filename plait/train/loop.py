@@ -57,7 +57,12 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path):
     c = cfg.comm
     momentum_hook = None
     if c.target == "momentum":  # 1-bit Adam: the optimizer exchanges the momentum, compressed
-        compressor = make_compressor(c.compression, topk_ratio=c.topk_ratio, error_feedback=c.error_feedback)
+        compressor = make_compressor(
+            c.compression,
+            topk_ratio=c.topk_ratio,
+            error_feedback=c.error_feedback,
+            powersgd_rank=c.powersgd_rank,
+        )
         momentum_hook = MomentumHook(compressor, c.freeze_step)
 
     def factory(groups):
@@ -90,7 +95,10 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path):
     extra = {}
     if p.zero_stage <= 2:  # stage 0: the bucket all-reduce; stages 1-2: the bucket reduce-scatter
         extra["comm_hook"] = momentum_hook or make_compressor(
-            c.compression, topk_ratio=c.topk_ratio, error_feedback=c.error_feedback
+            c.compression,
+            topk_ratio=c.topk_ratio,
+            error_feedback=c.error_feedback,
+            powersgd_rank=c.powersgd_rank,
         )
     if p.zero_stage > 0:
         extra.update(
@@ -310,7 +318,11 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
             f"variance is frozen and the momentum is exchanged with {c.compression} compression "
             f"({'with' if c.error_feedback else 'without'} error feedback)",
         )
-    elif c.compression in ("onebit", "topk") and c.error_feedback and cfg.optim.name in ("adamw", "lamb"):
+    elif (
+        c.compression in ("onebit", "topk", "powersgd")
+        and c.error_feedback
+        and cfg.optim.name in ("adamw", "lamb")
+    ):
         _say(
             mesh,
             f"plait: note: error feedback ({c.compression}) on gradients under {cfg.optim.name} trained "

@@ -112,12 +112,9 @@ class Stage0:
         hook = self.module.comm_hook
         if hasattr(hook, "residual_buffers"):  # 1-bit Adam's momentum compressor
             return hook.residual_buffers()
-        if not hasattr(hook, "residuals"):
+        if not hasattr(hook, "state_tensors"):
             return None
-        return {
-            str(b.index): hook.residuals.setdefault(b.index, torch.zeros_like(b.buffer))
-            for b in self.module.buckets
-        }
+        return hook.state_tensors(self.module.buckets)
 
     def step(self) -> None:
         self._sync_tp()

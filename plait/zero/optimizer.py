@@ -60,6 +60,7 @@ class _HookBucket:
         self._bucket = bucket
         self.index, self.params = bucket.index, bucket.params
         self.offsets = list(bucket.layout.offsets)
+        self.numel = bucket.layout.padded
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -260,15 +261,9 @@ class ZeroOptimizer(ShardedEngine):
     def residual_buffers(self) -> dict[str, torch.Tensor] | None:
         """This rank's error-feedback residuals, one per bucket (zeros where none yet), for
         checkpoints; None without an error-feedback compressor."""
-        res = getattr(self.comm_hook, "residuals", None)
-        if res is None:
+        if not hasattr(self.comm_hook, "state_tensors"):
             return None
-        return {
-            str(b.index): res.setdefault(
-                b.index, torch.zeros(b.layout.padded, dtype=b.flat.dtype, device=b.flat.device)
-            )
-            for b in self.buckets
-        }
+        return self.comm_hook.state_tensors([_HookBucket(b) for b in self.buckets])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.shards.zero_grad()
