@@ -31,8 +31,8 @@ its own run directory under a temporary directory. What is read back from a run 
    1-bit and top-1% with error feedback whose first N steps are uncompressed: the run stops with a
    checkpoint at step N (`--train.stop_at N`) and is resumed from it (`plait train --resume`) with
    compression switched on and a fresh residual. Under AdamW this lets Adam's moments be learned
-   on exact gradients first, the insight of 1-bit Adam (Tang et al. 2021); here it is a benchmark
-   option only, not a trainer feature.
+   on exact gradients first, half of the insight of 1-bit Adam (Tang et al. 2021), which the
+   trainer implements in full as `comm.target = "momentum"` (item 5).
 
 5. **1-bit Adam** (`--freeze-step N`, AdamW mode, default 100; 0 leaves it out; Tang et al. 2021):
    `--comm.target momentum --comm.freeze_step N` with 1-bit and with top-1%, each with and
@@ -712,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps = 40
+        args.freeze_step = min(args.freeze_step, args.steps // 4)
     if args.steps < BIG:
         parser.error(f"--steps must be >= {BIG}")
     if not 0 <= args.warm_start < args.steps:

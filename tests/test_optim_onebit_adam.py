@@ -45,6 +45,23 @@ def test_warmup_equals_torch_adamw():
     assert opt.steps_done == 6 and not opt.hook.compressing
 
 
+def test_parameters_without_gradients():
+    """A parameter never given a gradient is never stepped and does not switch compression off;
+    one whose first gradient comes after the freeze has no variance and stays unchanged."""
+    torch.manual_seed(0)
+    idle, late, used = (torch.randn(4, requires_grad=True) for _ in range(3))
+    before = [idle.detach().clone(), late.detach().clone()]
+    hook = MomentumHook(TopKCompressor(1.0), freeze_step=2)
+    opt = OneBitAdam([idle, late, used], hook, _OneRank(), lr=LR)  # idle first: steps_done reads all
+    for step in range(1, 7):
+        used.grad = torch.randn(4)
+        if step > 3:
+            late.grad = torch.randn(4)
+        opt.step()
+        assert hook.compressing == (step >= 2) and opt.steps_done == step
+    assert torch.equal(idle, before[0]) and torch.equal(late, before[1]) and torch.isfinite(used).all()
+
+
 def test_bad_settings():
     with pytest.raises(ConfigError, match="freeze_step must be >= 1"):
         MomentumHook(TopKCompressor(0.1), 0)

@@ -67,6 +67,11 @@ BAD = [
     (None, ["--comm.topk_ratio", "1.5"], ["comm.topk_ratio must be in (0, 1]"]),
     (None, ["--optim.name", "adam"], ["optim.name", "adamw, lamb, lars, sgd"]),
     (None, ["--comm.target", "weights"], ["comm.target", "gradient, momentum"]),
+    (
+        None,
+        ["--comm.target", "momentum", "--comm.compression", "onebit", "--comm.freeze_step", "600"],
+        ["comm.freeze_step = 600 >= train.steps = 300", "never compress"],
+    ),
     (None, ["--comm.compression", "fp16", "--parallel.zero_stage", "3"], ["zero_stage = 3 has none"]),
     (
         None,

@@ -115,6 +115,16 @@ def test_resume_with_error_feedback_restores_the_residuals(tmp_path, compression
     assert max(losses(run)) > 4 and losses(run) == losses(ref)  # bit for bit, every step
 
 
+def test_resume_with_another_compressor_starts_from_zero_residuals(tmp_path):
+    run = tmp_path / "run"
+    comp = ("--parallel.dp", "2", "--comm.compression", "topk", "--comm.topk_ratio", "0.05")
+    r = plait_train(*TINY, *comp, "--train.run_dir", str(run), "--train.stop_at", "4")
+    assert r.returncode == 0, r.stderr
+    r = plait_train("--resume", str(run), "--comm.compression", "powersgd")
+    assert r.returncode == 0, r.stderr
+    assert "residuals of another layout" in r.stdout and max(losses(run)) == 8
+
+
 def test_resume_is_bit_exact_and_damage_is_detected(tmp_path):
     """With dropout on, so the restored RNG states matter too."""
     ref = tmp_path / "ref"

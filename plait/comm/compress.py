@@ -7,10 +7,6 @@ so summing the ranks' (decompressed) contributions gives the mean. Every rank de
 gathered bytes the same way, so the replicas stay identical.
 
 * `FP16Compressor`: all-reduce in half precision (2x fewer bytes).
-
-Each also has `reduce_scatter(bucket, out, lo, hi, mesh, axis)` for ZeRO-1/2 (`plait.zero.wrap(...,
-comm_hook=...)`): fp16 reduce-scatters in half precision; 1-bit and top-k gather and decode the
-whole bucket as above and keep the rank's shard.
 * `OneBitCompressor`: 1-bit SGD (Seide et al. 2014, "1-Bit Stochastic Gradient Descent and its
   Application to Data-Parallel Distributed Training of Speech DNNs"). Each column of a
   parameter's gradient (plus the carried error) is quantised at threshold 0 to one bit; the two
@@ -22,6 +18,13 @@ whole bucket as above and keep the rank's shard.
   Distributed Gradient Descent"): only the ceil(r·n) entries of largest |gradient + residual|
   are sent as (int32 index, fp32 value) pairs, gathered from every rank and summed; the rest stays
   in the residual for later steps.
+* `PowerSGDCompressor`: rank-r PowerSGD (Vogels, Karimireddy & Jaggi 2019): each weight matrix
+  is sent as a rank-r approximation from one warm-started power-iteration step, in two
+  all-reduces; vectors are sent exactly.
+
+Each also has `reduce_scatter(bucket, out, lo, hi, mesh, axis)` for ZeRO-1/2 (`plait.zero.wrap(...,
+comm_hook=...)`): fp16 reduce-scatters in half precision; the others exchange and decode the whole
+bucket as above and keep the rank's shard.
 
 Error feedback can be switched off (`error_feedback=False`) to show why it is needed. The
 residual is kept in units of the step taken, not of the gradient: before each step the trainer

@@ -105,8 +105,11 @@ class OneBitAdam(torch.optim.Optimizer):
     Before the freeze it equals `torch.optim.AdamW` (decoupled weight decay, bias correction).
     `params` may be param groups (per-group lr, betas, eps, weight_decay). Every rank of `axis`
     must step the same parameters in the same order (the momentum is exchanged in buckets of up
-    to `bucket_mb` MB, in parameter order). A parameter without a gradient in the compression
-    stage contributes a zero gradient to its momentum, which keeps decaying.
+    to `bucket_mb` MB, in parameter order). In the compression stage a parameter without a
+    gradient contributes a zero gradient to its momentum, which keeps decaying and moving it; a
+    parameter that had no gradient in the whole warm-up has no variance and is left unchanged.
+    The variance's bias correction is frozen at 1 - β2^freeze_step, exact for parameters that
+    had a gradient in every warm-up step (all of them, in plait's trainer).
     """
 
     def __init__(
@@ -150,13 +153,9 @@ class OneBitAdam(torch.optim.Optimizer):
 
     @property
     def steps_done(self) -> int:
-        """Steps taken so far (read from the optimizer state, so it survives checkpoints)."""
-        for g in self.param_groups:
-            for p in g["params"]:
-                st = self.state.get(p)
-                if st and "step" in st:
-                    return int(st["step"])
-        return 0
+        """Steps taken so far: the most any parameter has taken (read from the optimizer state,
+        so it survives checkpoints)."""
+        return max((int(st["step"]) for st in self.state.values() if "step" in st), default=0)
 
     def _state(self, p: torch.Tensor) -> dict:
         st = self.state[p]
@@ -172,8 +171,13 @@ class OneBitAdam(torch.optim.Optimizer):
         handles = []
         for b in self.buckets:
             for i, p in enumerate(b.params):
+                local = b.view(i)
+                st = self.state.get(p)
+                if not st:  # no variance from the warm-up: never stepped, sends zeros
+                    local.zero_()
+                    continue
                 beta1 = self._group_of[id(p)]["betas"][0]
-                local = b.view(i).copy_(self._state(p)["exp_avg"])
+                local.copy_(st["exp_avg"])
                 if p.grad is not None:
                     local.lerp_(p.grad, 1 - beta1)
                 else:
@@ -183,7 +187,8 @@ class OneBitAdam(torch.optim.Optimizer):
         for b, h in zip(self.buckets, handles):
             h.wait()
             for i, p in enumerate(b.params):
-                self.state[p]["exp_avg"].copy_(b.view(i))
+                if self.state.get(p):
+                    self.state[p]["exp_avg"].copy_(b.view(i))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -197,7 +202,8 @@ class OneBitAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
-                if p.grad is None and not (compressing and self.state.get(p)):
+                # AdamW skips gradient-less parameters; without a variance there is no compressed step
+                if (p.grad is None) if not compressing else not self.state.get(p):
                     continue
                 st = self._state(p)
                 st["step"] += 1

@@ -192,6 +192,16 @@ def _has_key(path: Path, key: str) -> bool:
     return any(k == key or k.startswith(key + ".") for k in metadata.state_dict_metadata)
 
 
+def _saved_shapes(path: Path, key: str) -> dict[str, tuple[int, ...]]:
+    """{leaf: shape} of the tensors saved under the dict `key`."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return {
+        k[len(key) + 1 :]: tuple(md.size)
+        for k, md in metadata.state_dict_metadata.items()
+        if k.startswith(key + ".") and hasattr(md, "size")
+    }
+
+
 def load_checkpoint(path: str | Path, mesh: Mesh, engine, scheduler, sampler) -> int:
     """Restore a checkpoint saved by `save_checkpoint` into `engine` (any ZeRO stage and dp
     degree: the shards are read from whatever layout saved them); returns its step."""
@@ -207,7 +217,14 @@ def load_checkpoint(path: str | Path, mesh: Mesh, engine, scheduler, sampler) ->
         # has them (a run that switches compression on at resume starts with zero residuals)
         res_key = f"residuals_rank{mesh.global_rank}"
         if (residuals := _residuals(engine)) is not None and _has_key(path, res_key):
-            state[res_key] = residuals
+            if _saved_shapes(path, res_key) == {k: tuple(t.shape) for k, t in residuals.items()}:
+                state[res_key] = residuals
+            elif mesh.is_rank0:  # another compressor, ZeRO stage or bucket size: their layout differs
+                print(
+                    f"plait: note: {path} holds compression residuals of another layout (compressor, "
+                    "zero_stage or bucket size changed); starting from zero residuals",
+                    flush=True,
+                )
     try:
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException

@@ -432,6 +432,11 @@ def _validate_momentum_target(cfg: Config) -> None:
         f"(got {cfg.optim.name!r}), or comm.target = 'gradient'",
     )
     _require(
+        c.freeze_step < cfg.train.steps,
+        f"comm.freeze_step = {c.freeze_step} >= train.steps = {cfg.train.steps}: the run would never "
+        "compress; lower comm.freeze_step (the paper: 15-25% of training)",
+    )
+    _require(
         1 <= c.freeze_step,
         f"comm.freeze_step must be >= 1 (uncompressed AdamW steps that learn the variance), "
         f"got {c.freeze_step}",

@@ -316,7 +316,8 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
             mesh,
             f"plait: 1-bit Adam: AdamW on uncompressed gradients for {c.freeze_step} steps, then the "
             f"variance is frozen and the momentum is exchanged with {c.compression} compression "
-            f"({'with' if c.error_feedback else 'without'} error feedback)",
+            f"({'with' if c.error_feedback else 'without'} error feedback); from then on gradient "
+            "clipping and grad_norm see each rank's own gradient",
         )
     elif (
         c.compression in ("onebit", "topk", "powersgd")
