@@ -509,7 +509,8 @@ def plot(runs: list[Run], path: Path, part: int, seq_len: int, batch: int) -> No
         x = [s * mult * scale for s in res["steps"]] if part == 2 else res["steps"]
         y = running_mean(res["loss"], max(1, SMOOTH // mult))
         style = {"color": "0.6", "ls": "--", "lw": 1} if run.key in ("none-seed1", "ref") else {"lw": 1.3}
-        color = style.pop("color", f"C{k}")
+        # more than 10 curves: tab20 (10 hue pairs) so that no two runs share a colour
+        color = style.pop("color", plt.cm.tab20(k % 20) if len(shown) > 10 else f"C{k}")
         vx = [s * mult * scale if part == 2 else s for s, _ in res["val"]]
         vy = [v for _, v in res["val"]]
         for ax in axes:
