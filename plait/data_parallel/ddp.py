@@ -68,6 +68,23 @@ class GradBucket:
         return self.numel * self.buffer.element_size()
 
 
+def build_buckets(params: list[nn.Parameter], capacity: int, name=None) -> list[GradBucket]:
+    """Consecutive runs of `params`, in the given order, of at most `capacity` bytes (a larger
+    parameter gets a bucket of its own) and one dtype each, as GradBuckets named by `name(p)`."""
+    chunks, current, size = [], [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > capacity or p.dtype != current[0].dtype):
+            chunks.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        chunks.append(current)
+    name = name or (lambda p: f"param{id(p)}")
+    return [GradBucket(i, ps, [name(p) for p in ps]) for i, ps in enumerate(chunks)]
+
+
 class DataParallel(nn.Module):
     """Wrap `module` for data parallelism over `axis` of `mesh`.
 
@@ -139,17 +156,8 @@ class DataParallel(nn.Module):
     def _build_buckets(self, capacity: int) -> list[GradBucket]:
         names = {id(p): n for n, p in self.module.named_parameters()}
         params = [p for p in self.module.parameters() if p.requires_grad]
-        buckets, current, size = [], [], 0
-        for p in reversed(params):  # reverse registration order ~ the order gradients are ready
-            nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > capacity or p.dtype != current[0].dtype):
-                buckets.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            buckets.append(current)
-        return [GradBucket(i, ps, [names[id(p)] for p in ps]) for i, ps in enumerate(buckets)]
+        # reverse registration order ~ the order gradients are ready
+        return build_buckets(list(reversed(params)), capacity, lambda p: names[id(p)])
 
     # --- the backward path ----------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from collections.abc import Iterable
 
 import torch
 
-from plait.data_parallel.ddp import GradBucket, allreduce_mean_hook
+from plait.data_parallel.ddp import GradBucket, allreduce_mean_hook, build_buckets
 from plait.errors import ConfigError
 
 
@@ -64,9 +64,8 @@ class MomentumHook:
     def __init__(self, compressor, freeze_step: int):
         if not hasattr(compressor, "state_tensors"):
             raise ConfigError(
-                f"1-bit Adam needs an error-feedback compressor (OneBitCompressor, TopKCompressor or "
-                "PowerSGDCompressor), "
-                f"got {type(compressor).__name__}"
+                "1-bit Adam needs an error-feedback compressor (OneBitCompressor, TopKCompressor or "
+                f"PowerSGDCompressor), got {type(compressor).__name__}"
             )
         if freeze_step < 1:
             raise ConfigError(
@@ -91,8 +90,8 @@ class MomentumHook:
         self.compressor.set_lr_scale(scale)
 
     def residual_buffers(self) -> dict[str, torch.Tensor]:
-        """This rank's error-feedback residuals, one per momentum bucket (zeros where none yet),
-        for checkpoints."""
+        """This rank's compressor state (residuals, one per momentum bucket; PowerSGD's warm-start
+        matrices), for checkpoints."""
         if self.optimizer is None:
             return {}
         return self.compressor.state_tensors(self.optimizer.buckets)
@@ -134,22 +133,9 @@ class OneBitAdam(torch.optim.Optimizer):
         hook.optimizer = self
         self.hook, self.mesh, self.axis = hook, mesh, axis
         self._n = mesh.size(axis)
-        self.buckets = self._build_buckets(int(bucket_mb * 1e6))
-        self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-
-    def _build_buckets(self, capacity: int) -> list[GradBucket]:
         params = [p for g in self.param_groups for p in g["params"]]
-        chunks, current, size = [], [], 0
-        for p in params:
-            nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > capacity or p.dtype != current[0].dtype):
-                chunks.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            chunks.append(current)
-        return [GradBucket(i, ps, [f"param{j}" for j in range(len(ps))]) for i, ps in enumerate(chunks)]
+        self.buckets = build_buckets(params, int(bucket_mb * 1e6))  # in parameter order
+        self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
 
     @property
     def steps_done(self) -> int:
