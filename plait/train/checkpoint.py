@@ -187,11 +187,6 @@ def verify_checkpoint(path: str | Path) -> dict:
     return manifest
 
 
-def _has_key(path: Path, key: str) -> bool:
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    return any(k == key or k.startswith(key + ".") for k in metadata.state_dict_metadata)
-
-
 def _saved_shapes(path: Path, key: str) -> dict[str, tuple[int, ...]]:
     """{leaf: shape} of the tensors saved under the dict `key`."""
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
@@ -216,8 +211,9 @@ def load_checkpoint(path: str | Path, mesh: Mesh, engine, scheduler, sampler) ->
         # the error-feedback residuals, loaded in place, if this run compresses and the checkpoint
         # has them (a run that switches compression on at resume starts with zero residuals)
         res_key = f"residuals_rank{mesh.global_rank}"
-        if (residuals := _residuals(engine)) is not None and _has_key(path, res_key):
-            if _saved_shapes(path, res_key) == {k: tuple(t.shape) for k, t in residuals.items()}:
+        residuals = _residuals(engine)
+        if residuals is not None and (saved := _saved_shapes(path, res_key)):
+            if saved == {k: tuple(t.shape) for k, t in residuals.items()}:
                 state[res_key] = residuals
             elif mesh.is_rank0:  # another compressor, ZeRO stage or bucket size: their layout differs
                 print(
