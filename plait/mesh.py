@@ -70,6 +70,32 @@ def _product(sizes: dict[str, int], axes: tuple[str, ...]):
     return itertools.product(*(range(sizes[a]) for a in axes))
 
 
+def global_rank_at(sizes: dict[str, int], coords: dict[str, int]) -> int:
+    """The global rank at `coords` of a mesh of `sizes` (row-major over AXES: tp fastest)."""
+    rank = 0
+    for axis in AXES:
+        rank = rank * sizes[axis] + coords[axis]
+    return rank
+
+
+def hybrid_dp_groups(sizes: dict[str, int], f: int) -> dict[str, list[list[int]]]:
+    """Hybrid sharding's two derived axes, as lists of global ranks: "dp_shard" groups hold `f`
+    consecutive dp coordinates (with tp innermost these are the nearest devices, so sharding's
+    all-gathers and reduce-scatters stay within a node), and "dp_replicate" groups hold the ranks
+    with the same position in every shard group (their all-reduce crosses nodes)."""
+    dp = sizes["dp"]
+    lines: dict[str, list[list[int]]] = {"dp_shard": [], "dp_replicate": []}
+    for c in _product(sizes, ("pp", "ep", "tp")):
+        o = dict(zip(("pp", "ep", "tp"), c, strict=True))
+        for rep in range(dp // f):
+            lines["dp_shard"].append([global_rank_at(sizes, {**o, "dp": rep * f + i}) for i in range(f)])
+        for i in range(f):
+            lines["dp_replicate"].append(
+                [global_rank_at(sizes, {**o, "dp": rep * f + i}) for rep in range(dp // f)]
+            )
+    return lines
+
+
 class Mesh:
     """Named parallel axes over the ranks of the initialised default process group.
 
@@ -161,10 +187,7 @@ class Mesh:
         return {a: coords[a] for a in AXES}
 
     def _global_rank(self, coords: dict[str, int]) -> int:
-        rank = 0
-        for axis in AXES:
-            rank = rank * self.sizes[axis] + coords[axis]
-        return rank
+        return global_rank_at(self.sizes, coords)
 
     def _ranks_along(self, axis: str) -> list[int]:
         return [self._global_rank({**self.coords, axis: i}) for i in range(self.sizes[axis])]
@@ -174,18 +197,7 @@ class Mesh:
         dp = self.sizes["dp"]
         if not isinstance(f, int) or isinstance(f, bool) or f < 1 or dp % f:
             raise TopologyError(f"dp_shard must be a positive divisor of dp={dp}, got {f!r}")
-        lines: dict[str, list[list[int]]] = {"dp_shard": [], "dp_replicate": []}
-        others = [
-            dict(zip(("pp", "ep", "tp"), c, strict=True)) for c in _product(self.sizes, ("pp", "ep", "tp"))
-        ]
-        for o in others:
-            for rep in range(dp // f):
-                lines["dp_shard"].append([self._global_rank({**o, "dp": rep * f + i}) for i in range(f)])
-            for i in range(f):
-                lines["dp_replicate"].append(
-                    [self._global_rank({**o, "dp": rep * f + i}) for rep in range(dp // f)]
-                )
-        for axis, groups in lines.items():
+        for axis, groups in hybrid_dp_groups(self.sizes, f).items():
             size = len(groups[0])
             mine = next(g for g in groups if self.global_rank in g)
             group = None

@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -207,26 +208,72 @@ def assert_close_params(
 def assert_close_losses(
     actual: list[float], expected: list[float], atol: float = 1e-6, rtol: float = 0.0, what: str = ""
 ) -> None:
+    """Per step, |actual - expected| <= atol + rtol * |expected| (NaN fails)."""
+    assert_close_series(actual, expected, atol, rtol, what, quantity="loss")
+
+
+def assert_close_grad_norms(
+    actual: list[float], expected: list[float], atol: float = 0.0, rtol: float = 1e-5, what: str = ""
+) -> None:
+    """The global gradient norm of every step, before clipping: the check that sees a gradient of
+    the wrong scale even where the optimizer hides it (Adam is invariant to a constant factor,
+    and clipping caps the step), relative by default since norms range over orders of magnitude."""
+    assert_close_series(actual, expected, atol, rtol, what, quantity="gradient norm")
+
+
+def assert_close_series(
+    actual: list[float],
+    expected: list[float],
+    atol: float,
+    rtol: float,
+    what: str = "",
+    quantity: str = "value",
+) -> None:
     if len(actual) != len(expected):
-        raise AssertionError(f"{what} {len(actual)} losses vs {len(expected)} expected")
+        raise AssertionError(f"{what} {len(actual)} {quantity} values vs {len(expected)} expected")
     for i, (a, e) in enumerate(zip(actual, expected)):
         if not abs(a - e) <= atol + rtol * abs(e):  # written so that NaN fails
             raise AssertionError(
-                f"{what} loss at step {i}: {a!r} vs reference {e!r} (|diff| {abs(a - e):.3e})"
+                f"{what} {quantity} at step {i}: {a!r} vs reference {e!r} (|diff| {abs(a - e):.3e}, "
+                f"ratio {a / e if e else float('nan'):.6g})"
             )
 
 
+def grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """The L2 norm over every gradient of `params`, in float64 (None gradients count as zero)."""
+    sq = sum(float(p.grad.detach().double().pow(2).sum()) for p in params if p.grad is not None)
+    return math.sqrt(sq)
+
+
+@dataclasses.dataclass
+class Reference:
+    """What a single-process run gives a parity test: per step the loss and the global gradient
+    norm before clipping, then the final parameters."""
+
+    losses: list[float]
+    grad_norms: list[float]
+    params: dict[str, torch.Tensor]
+
+
 def single_process_reference(
-    build: Callable[[], tuple], batches: list, steps: int
-) -> tuple[list[float], dict]:
+    build: Callable[[], tuple],
+    batches: list,
+    steps: int,
+    clip: float = 0.0,
+    set_to_none: bool = True,
+) -> Reference:
     """Train on one process: `build()` -> (model, optimizer, loss_fn); each step consumes one
-    entry of `batches` (the global batch) as `loss_fn(model, batch)`. Returns (losses, params)."""
+    entry of `batches` (the global batch) as `loss_fn(model, batch)`, clipping the gradient norm
+    to `clip` when it is positive. Returns the losses, gradient norms and final parameters."""
     model, optimizer, loss_fn = build()
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=set_to_none)
         loss = loss_fn(model, batches[step])
         loss.backward()
+        norms.append(grad_norm(model.parameters()))
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         losses.append(float(loss.detach()))
-    return losses, state_of(model)
+    return Reference(losses, norms, state_of(model))

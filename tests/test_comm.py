@@ -9,7 +9,7 @@ import torch.distributed as dist
 from plait import comm
 from plait.comm import WATCHDOG_EXIT_CODE, Ledger, bus_bytes
 from plait.errors import TopologyError
-from plait.mesh import Mesh
+from plait.mesh import Mesh, hybrid_dp_groups
 from plait.testing import RankFailure, run_ranks
 
 
@@ -39,6 +39,19 @@ def _mesh_and_ops():
     assert m.coords == {"pp": rank // 2, "dp": 0, "ep": 0, "tp": rank % 2}
     assert m.group("dp") is None and m.size("ep") == 1 and m.ranks("pp") == [rank % 2, rank % 2 + 2]
     m.close()
+
+    # Hybrid sharding: shard groups are consecutive ranks (one node), replicas stride across
+    # them; the process groups are the ones the geometry names.
+    h = Mesh(dp=4, dp_shard=2, timeout_s=30)
+    lo = rank - rank % 2
+    assert h.ranks("dp_shard") == [lo, lo + 1] and h.rank("dp_shard") == rank % 2
+    assert h.ranks("dp_replicate") == [rank % 2, rank % 2 + 2] and h.rank("dp_replicate") == rank // 2
+    assert dist.get_process_group_ranks(h.group("dp_shard")) == [lo, lo + 1]
+    assert dist.get_process_group_ranks(h.group("dp_replicate")) == [rank % 2, rank % 2 + 2]
+    t = torch.tensor([float(rank)])
+    comm.all_reduce(t, h, "dp_shard")
+    assert float(t) == 2 * lo + 1
+    h.close()
 
     mesh = Mesh(dp=2, tp=2, timeout_s=30)
     assert mesh.coords == {"pp": 0, "dp": rank // 2, "ep": 0, "tp": rank % 2}
@@ -90,6 +103,20 @@ def _mesh_and_ops():
 
 def test_mesh_and_every_op_on_four_ranks():
     assert all(run_ranks(_mesh_and_ops, 4, timeout=120))
+
+
+def test_hybrid_groups_shard_over_consecutive_dp_ranks():
+    """pp=2 x dp=4 x tp=2, shard groups of 2: each shard group is two neighbouring dp
+    coordinates (global ranks tp apart, within a node of 8), each replicate group strides over
+    the shard groups; both partition the ranks."""
+    sizes = {"pp": 2, "dp": 4, "ep": 1, "tp": 2}
+    lines = hybrid_dp_groups(sizes, 2)
+    assert lines["dp_shard"][:4] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert lines["dp_replicate"][:4] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    for axis, groups in lines.items():
+        assert sorted(r for g in groups for r in g) == list(range(16)), axis
+    assert all(max(g) // 8 == min(g) // 8 for g in lines["dp_shard"])  # never across a node of 8
+    assert hybrid_dp_groups({"pp": 1, "dp": 4, "ep": 1, "tp": 1}, 4)["dp_replicate"] == [[0], [1], [2], [3]]
 
 
 def test_mesh_needs_a_process_group():

@@ -10,8 +10,10 @@ from plait.data_parallel import DataParallel
 from plait.errors import DataParallelError
 from plait.mesh import Mesh
 from plait.testing import (
+    assert_close_grad_norms,
     assert_close_losses,
     assert_close_params,
+    grad_norm,
     run_ranks,
     single_process_reference,
     state_of,
@@ -19,6 +21,7 @@ from plait.testing import (
 
 STEPS = 20
 GLOBAL_BATCH = 8
+BUCKETS_ACCUM = [(25.0, 1), (0.004, 1), (0.004, 2), (0.02, 2)]  # (bucket_mb, micro-batches per rank)
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -45,6 +48,7 @@ def _batches(steps: int = STEPS):
 def _optimizer(model, kind):
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    # SGD without clipping: a gradient of the wrong scale changes the trajectory at once
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
@@ -56,15 +60,18 @@ def _reference(kind: str):
     return single_process_reference(build, _batches(), STEPS)
 
 
-def _train(model, opt, mesh, accum: int):
-    """Each rank takes its slice of every global batch, split into `accum` micro-batches."""
+def _train(model, opt, mesh, accum: int, set_to_none: bool = True):
+    """Each rank takes its slice of every global batch, split into `accum` micro-batches.
+    Returns the global losses and the gradient norms (after the all-reduce, before the step).
+    `set_to_none=False` keeps `.grad` as a view of the bucket, so backward accumulates into it
+    in place: DataParallel's other scaling branch."""
     n, r = mesh.size("dp"), mesh.rank("dp")
     per_rank = GLOBAL_BATCH // n
-    losses = []
+    losses, norms = [], []
     for step, (x, y) in enumerate(_batches()):
         mesh.ledger.set_step(step)
         xs, ys = x[r * per_rank : (r + 1) * per_rank], y[r * per_rank : (r + 1) * per_rank]
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=set_to_none)
         total = 0.0
         for i, (xm, ym) in enumerate(zip(xs.chunk(accum), ys.chunk(accum))):
             ctx = model.no_sync() if i < accum - 1 and hasattr(model, "no_sync") else _null()
@@ -72,12 +79,13 @@ def _train(model, opt, mesh, accum: int):
                 loss = nn.functional.mse_loss(model(xm), ym) / accum
                 loss.backward()
             total += float(loss)
+        norms.append(grad_norm(model.parameters()))  # replicated: every rank holds the mean
         opt.step()
         t = torch.tensor([total], dtype=torch.float64)
         mesh.ledger.set_step(-1)  # keep the loss report out of the step's ledger
         comm.all_reduce(t, mesh, "dp")
         losses.append(float(t) / n)
-    return losses
+    return losses, norms
 
 
 class _null:
@@ -93,32 +101,34 @@ def _parity_checks():
     n = dist.get_world_size()
     mesh = Mesh(dp=n, timeout_s=60)
     nparams = sum(p.numel() for p in _model().parameters())
-    for kind in ("adamw", "sgd"):
-        ref_losses, ref_params = _reference(kind)
-        for bucket_mb, accum in [(25.0, 1), (0.004, 1), (0.004, 2), (0.02, 2)]:
-            if (GLOBAL_BATCH // n) % accum:
-                continue
-            model = DataParallel(_model(seed=dist.get_rank() * 7), mesh, bucket_mb=bucket_mb)  # ranks differ:
-            opt = _optimizer(model, kind)  # the broadcast at wrap must fix it
-            mesh.ledger.clear()
-            losses = _train(model, opt, mesh, accum)
-            what = f"{kind} bucket_mb={bucket_mb} accum={accum} world={n}"
-            assert_close_losses(losses, ref_losses, atol=1e-6, what=what)
-            # AdamW divides by sqrt(v): a near-zero gradient's summation-order rounding (1e-9)
-            # becomes a ~1e-6 parameter difference on some CPUs' kernels; SGD keeps 1e-6
-            assert_close_params(
-                state_of(model), ref_params, atol=1e-5 if kind == "adamw" else 1e-6, what=what
-            )
-            # Ledger: exactly the bucket all-reduces of one step, 4 bytes x parameters in all.
-            rows = mesh.ledger.rows(STEPS - 1)
-            assert set(rows) == {("all_reduce", "dp")}, rows
-            ar = rows[("all_reduce", "dp")]
-            assert ar.count == len(model.buckets), (ar.count, len(model.buckets))
-            assert ar.payload_bytes == 4 * nparams, (ar.payload_bytes, nparams)
-            assert abs(ar.bus_bytes - 2 * (n - 1) / n * 4 * nparams) < 1e-6
-            if bucket_mb < 0.01:
-                assert len(model.buckets) > 2
-            model.remove_hooks()
+    configs = [(kind, mb, accum, True) for kind in ("adamw", "sgd") for mb, accum in BUCKETS_ACCUM]
+    # zero_grad(set_to_none=False): .grad stays the bucket view and backward adds into it
+    configs += [("sgd", 25.0, 1, False), ("sgd", 0.004, 2, False)]
+    refs = {kind: _reference(kind) for kind in ("adamw", "sgd")}
+    for kind, bucket_mb, accum, set_to_none in configs:
+        if (GLOBAL_BATCH // n) % accum:
+            continue
+        ref = refs[kind]
+        model = DataParallel(_model(seed=dist.get_rank() * 7), mesh, bucket_mb=bucket_mb)  # ranks differ:
+        opt = _optimizer(model, kind)  # the broadcast at wrap must fix it
+        mesh.ledger.clear()
+        losses, norms = _train(model, opt, mesh, accum, set_to_none)
+        what = f"{kind} bucket_mb={bucket_mb} accum={accum} set_to_none={set_to_none} world={n}"
+        assert_close_losses(losses, ref.losses, atol=1e-6, what=what)
+        assert_close_grad_norms(norms, ref.grad_norms, rtol=1e-5, what=what)
+        # AdamW divides by sqrt(v): a near-zero gradient's summation-order rounding (1e-9)
+        # becomes a ~1e-6 parameter difference on some CPUs' kernels; SGD keeps 1e-6
+        assert_close_params(state_of(model), ref.params, atol=1e-5 if kind == "adamw" else 1e-6, what=what)
+        # Ledger: exactly the bucket all-reduces of one step, 4 bytes x parameters in all.
+        rows = mesh.ledger.rows(STEPS - 1)
+        assert set(rows) == {("all_reduce", "dp")}, rows
+        ar = rows[("all_reduce", "dp")]
+        assert ar.count == len(model.buckets), (ar.count, len(model.buckets))
+        assert ar.payload_bytes == 4 * nparams, (ar.payload_bytes, nparams)
+        assert abs(ar.bus_bytes - 2 * (n - 1) / n * 4 * nparams) < 1e-6
+        if bucket_mb < 0.01:
+            assert len(model.buckets) > 2
+        model.remove_hooks()
     mesh.close()
     return True
 

@@ -9,7 +9,13 @@ import torch
 from plait.errors import ConfigError, PipelineError
 from plait.models import GPT, gpt_config
 from plait.optim import param_groups
-from plait.testing import assert_close_losses, assert_close_params, run_ranks
+from plait.testing import (
+    assert_close_grad_norms,
+    assert_close_losses,
+    assert_close_params,
+    grad_norm,
+    run_ranks,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
 STEPS = 3
@@ -35,24 +41,27 @@ def _batches():
 
 
 def _reference():
-    """Per step: the loss, every gradient (first step) and the parameters after the last step."""
+    """Per step the loss and the gradient norm before clipping, every gradient (first step) and
+    the parameters after the last step."""
     model = _model()
     opt = _opt(param_groups(model, 0.1))
-    losses, grads = [], None
+    losses, norms, grads = [], [], None
     for x, y in _batches():
         loss = model(x, y)
         loss.backward()
         if grads is None:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norms.append(grad_norm(model.parameters()))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, norms, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _pipeline_run(mesh, kind, m, v=None, tp=False, recompute=False):
-    """Train STEPS steps with `kind`; returns (losses, first-step grads, params) of this rank's part."""
+    """Train STEPS steps with `kind`; returns (losses, gradient norms, first-step grads, params)
+    of this rank's part."""
     from plait import comm
     from plait.pipeline.engine import PipelineEngine
 
@@ -74,7 +83,7 @@ def _pipeline_run(mesh, kind, m, v=None, tp=False, recompute=False):
     dp, r = mesh.size("dp"), mesh.rank("dp")
     rows = BATCH // dp
     tokens = rows * SEQ
-    losses, grads = [], None
+    losses, norms, grads = [], [], None
     for x, y in _batches():
         x, y = x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows]
         loss_sum = engine.train_step(list(x.chunk(m)), list(y.chunk(m)), 1.0 / tokens)
@@ -82,7 +91,7 @@ def _pipeline_run(mesh, kind, m, v=None, tp=False, recompute=False):
             grads = {
                 n: _whole_grad(p, mesh) if tp else p.grad.clone() for n, p in engine.raw.named_parameters()
             }
-        engine.clip_grad_norm_(0.5)
+        norms.append(engine.clip_grad_norm_(0.5))
         engine.step()
         engine.zero_grad()
         losses.append(comm.all_reduce_scalar(float(loss_sum), mesh, ("pp", "dp")) / (BATCH * SEQ))
@@ -92,7 +101,7 @@ def _pipeline_run(mesh, kind, m, v=None, tp=False, recompute=False):
         params = {n: p.detach().clone() for n, p in tp_named_parameters(engine.raw).items()}
     else:
         params = {n: p.detach().clone() for n, p in engine.raw.named_parameters()}
-    return losses, grads, params
+    return losses, norms, grads, params
 
 
 def _whole_grad(p, mesh):
@@ -122,11 +131,12 @@ def _all_schedules(p):
 
 
 def _check(results, ref, what):
-    ref_losses, ref_grads, ref_params = ref
+    ref_losses, ref_norms, ref_grads, ref_params = ref
     seen = set()
     for rank_result in results:
-        losses, grads, params = rank_result
+        losses, norms, grads, params = rank_result
         assert_close_losses(losses, ref_losses, atol=1e-6, rtol=1e-6, what=what)
+        assert_close_grad_norms(norms, ref_norms, rtol=1e-5, what=what)
         for name in grads:
             want = "wte.weight" if name == "lm_head.weight" else name  # the tied head's copy
             assert_close_params({name: grads[name]}, {name: ref_grads[want]}, atol=1e-6, what=f"{what} grad")

@@ -8,7 +8,14 @@ import torch.distributed as dist
 from plait.errors import ConfigError
 from plait.models import GPT, gpt_config
 from plait.optim import param_groups
-from plait.testing import assert_close_losses, assert_close_params, run_ranks, state_of
+from plait.testing import (
+    assert_close_grad_norms,
+    assert_close_losses,
+    assert_close_params,
+    grad_norm,
+    run_ranks,
+    state_of,
+)
 from plait.train.config import load_config
 
 STEPS = 20
@@ -27,6 +34,11 @@ def _opt(groups):
     return torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.1, eps=1e-5)
 
 
+def _sgd(groups):
+    """Without clipping: a gradient of the wrong scale changes the trajectory at once."""
+    return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
+
+
 def _batches():
     g = torch.Generator().manual_seed(3)
     return [
@@ -35,35 +47,38 @@ def _batches():
     ]
 
 
-def _reference():
+def _reference(sgd=False):
+    """Losses, gradient norms before clipping, final parameters (SGD: no clipping)."""
     model = _model()
-    opt = _opt(param_groups(model, 0.1))
-    losses = []
+    opt = (_sgd if sgd else _opt)(param_groups(model, 0.1))
+    losses, norms = [], []
     for x, y in _batches():
         loss = model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        norms.append(grad_norm(model.parameters()))
+        if not sgd:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, state_of(model)
+    return losses, norms, state_of(model)
 
 
-def _train(dp, tp, sp):
+def _train(dp, tp, sp, sgd=False):
     from plait.mesh import Mesh
     from plait.tensor_parallel import apply_tp, tp_named_parameters, without_sequence_parallel
     from plait.zero import wrap
 
     mesh = Mesh(dp=dp, tp=tp, timeout_s=120)
     model = apply_tp(_model(), mesh, sequence_parallel=sp)
-    engine = wrap(model, mesh, 0, _opt, param_groups=param_groups(model, 0.1))
+    engine = wrap(model, mesh, 0, _sgd if sgd else _opt, param_groups=param_groups(model, 0.1))
     r = mesh.rank("dp")
-    losses = []
+    losses, norms = [], []
     for x, y in _batches():
         rows = BATCH // dp
         loss = engine.module(x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows])
         loss.backward()
-        engine.clip_grad_norm_(0.5)
+        norms.append(engine.grad_norm() if sgd else engine.clip_grad_norm_(0.5))
         engine.step()
         engine.zero_grad()
         t = loss.detach().reshape(1).clone()
@@ -74,7 +89,7 @@ def _train(dp, tp, sp):
         text = model.generate(torch.tensor([[1, 2, 3]]), 5, temperature=0)  # gathered logits
     engine.close()
     mesh.close()
-    return {"losses": losses, "params": params, "generated": text.tolist()}
+    return {"losses": losses, "grad_norms": norms, "params": params, "generated": text.tolist()}
 
 
 def _ledger(tp, sp):
@@ -102,7 +117,12 @@ def _ledger(tp, sp):
 
 
 def _all_2():
-    return {"tp2": _train(1, 2, False), "tp2-sp": _train(1, 2, True), "ledger2": _ledger(2, False)}
+    return {
+        "tp2": _train(1, 2, False),
+        "tp2-sp": _train(1, 2, True),
+        "tp2-sp-sgd": _train(1, 2, True, sgd=True),
+        "ledger2": _ledger(2, False),
+    }
 
 
 def _all_4():
@@ -111,6 +131,7 @@ def _all_4():
         "tp4-sp": _train(1, 4, True),
         "dp2-tp2": _train(2, 2, False),
         "dp2-tp2-sp": _train(2, 2, True),
+        "dp2-tp2-sgd": _train(2, 2, False, sgd=True),
         "ledger4": _ledger(4, False),
         "ledger4-sp": _ledger(4, True),
     }
@@ -125,14 +146,17 @@ def results():
 
 @pytest.fixture(scope="module")
 def reference():
-    return _reference()
+    return {"adamw": _reference(), "sgd": _reference(sgd=True)}
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2-sp", "tp4", "tp4-sp", "dp2-tp2", "dp2-tp2-sp"])
+@pytest.mark.parametrize(
+    "name", ["tp2", "tp2-sp", "tp4", "tp4-sp", "dp2-tp2", "dp2-tp2-sp", "tp2-sp-sgd", "dp2-tp2-sgd"]
+)
 def test_gpt_parity_with_one_process(results, reference, name):
-    losses, params = reference
+    losses, norms, params = reference["sgd" if name.endswith("sgd") else "adamw"]
     res = results[name]
     assert_close_losses(res["losses"], losses, atol=1e-5, what=name)
+    assert_close_grad_norms(res["grad_norms"], norms, rtol=1e-5, what=name)
     assert_close_params(res["params"], params, atol=1e-5, what=name)
     model = _model()
     model.load_state_dict({**params, "lm_head.weight": params["wte.weight"]})  # tied

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -13,7 +14,13 @@ from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.models import DigitsCNN
 from plait.tensor_parallel.hybrid import apply_krizhevsky, check_krizhevsky, krizhevsky_comm
-from plait.testing import assert_close_losses, assert_close_params, run_ranks, single_process_reference
+from plait.testing import (
+    assert_close_grad_norms,
+    assert_close_losses,
+    assert_close_params,
+    run_ranks,
+    single_process_reference,
+)
 
 STEPS = 20
 GLOBAL_BATCH = 32
@@ -64,13 +71,14 @@ def _train_hybrid(mesh, batches, kind: str, scheme: str, first_step: int):
     hybrid = apply_krizhevsky(_model(), mesh, "dp", scheme=scheme)
     opt = _optimizer(hybrid.parameters(), kind)
     formula = hybrid.comm_per_step(GLOBAL_BATCH)
-    losses = []
+    losses, norms = [], []
     for i, (x, y) in enumerate(batches):
         mesh.ledger.set_step(first_step + i)
         b = len(y) // k
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(hybrid(x[r * b : (r + 1) * b]), y[r * b : (r + 1) * b])
         loss.backward()
+        norms.append(_grad_norm(hybrid, mesh))
         opt.step()
         losses.append(float(loss.detach()))
         rows = mesh.ledger.rows()
@@ -81,7 +89,19 @@ def _train_hybrid(mesh, batches, kind: str, scheme: str, first_step: int):
             factor = 2 * (k - 1) / k if op == "all_reduce" else (k - 1) / k
             assert rows[(op, "dp")].bus_bytes == pytest.approx(factor * formula[op][1])
     mesh.ledger.set_step(first_step + len(batches))
-    return losses, hybrid.gather_parameters(), formula
+    return losses, hybrid.gather_parameters(), formula, norms
+
+
+def _grad_norm(hybrid, mesh) -> float:
+    """The whole model's gradient norm: the classifier's neuron shards summed over the workers,
+    the replicated (already averaged) conv gradients counted once. Outside the ledger."""
+    sharded = {id(p) for stage in hybrid.stages for p in stage[0].parameters()}
+    sq = torch.zeros(2, dtype=torch.float64)
+    for p in hybrid.parameters():
+        sq[0 if id(p) in sharded else 1] += p.grad.double().pow(2).sum()
+    shards = sq[:1].clone()
+    dist.all_reduce(shards, group=mesh.group("dp"))
+    return float((shards[0] + sq[1]).sqrt())
 
 
 def _evaluate(mesh, hybrid, images, labels) -> tuple[int, int]:
@@ -132,13 +152,14 @@ def _four_workers(batches):
 
 def _check_parity(results, references, k: int) -> None:
     for (scheme, kind), per_rank in results.items():
-        ref_losses, ref_params = references[kind]
+        ref = references[kind]
         # Each rank's loss is the mean over its own examples: their average is the global loss.
         losses = [sum(r[0][i] for r in per_rank) / k for i in range(STEPS)]
         what = f"hybrid K={k} scheme ({scheme}) {kind}:"
-        assert_close_losses(losses, ref_losses, atol=1e-5, what=what)
-        for rank, (_, params, _) in enumerate(per_rank):
-            assert_close_params(params, ref_params, atol=1e-5, what=f"{what} rank {rank}")
+        assert_close_losses(losses, ref.losses, atol=1e-5, what=what)
+        for rank, (_, params, _, norms) in enumerate(per_rank):
+            assert_close_grad_norms(norms, ref.grad_norms, rtol=1e-5, what=f"{what} rank {rank}")
+            assert_close_params(params, ref.params, atol=1e-5, what=f"{what} rank {rank}")
 
 
 # --- tests ------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ parallelism; a tp=2 checkpoint resumes with dp=2 (and the reverse) with the same
 import shutil
 
 import pytest
-from test_train_run import TINY, losses, plait_train
+from conftest import TINY, assert_runs_match, losses, plait_train
 
 from plait.zero.state import range_boxes, saved_shape
 
@@ -37,9 +37,7 @@ def test_tp_checkpoint_resumes_on_another_layout(tp2_runs, tmp_path, layout):
     shutil.copytree(cut, run)
     r = plait_train("--resume", str(run), *layout)
     assert r.returncode == 0, r.stderr
-    want, got = losses(full), losses(run)
-    for step in range(5, 9):
-        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (layout, step, got[step], want[step])
+    assert_runs_match(run, full, steps=range(5, 9), what=f"resumed on {layout}")
 
 
 def test_tp_runs_match_data_parallel(tp2_runs, tmp_path):
@@ -62,11 +60,9 @@ def test_tp_runs_match_data_parallel(tp2_runs, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "sequence parallel" in r.stdout
-    want = losses(dp_run)
-    for other in (losses(full), losses(sp_run)):
-        assert sorted(other) == sorted(want)
-        for step, value in want.items():
-            assert abs(other[step] - value) <= 1e-5 * abs(value), (step, other[step], value)
+    for other, what in ((full, "tp2"), (sp_run, "tp2 + sp")):
+        assert sorted(losses(other)) == sorted(losses(dp_run))
+        assert_runs_match(other, dp_run, what=what)
 
 
 def test_range_boxes_cover_exactly_the_range():

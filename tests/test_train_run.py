@@ -1,55 +1,15 @@
 """`plait train` end to end: layout-independent losses, bit-exact resume, checkpoint damage, failures."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from conftest import SGD, TINY, assert_runs_match, losses, plait_train
 
 from plait.train.metrics import read_metrics
-
-TINY = [
-    "--model.name",
-    "tiny",
-    "--train.steps",
-    "8",
-    "--train.global_batch",
-    "8",
-    "--train.log_every",
-    "4",
-    "--train.eval_every",
-    "0",
-    "--train.eval_batches",
-    "2",
-    "--train.checkpoint_every",
-    "4",
-    "--train.warmup_steps",
-    "2",
-    "--train.sample_tokens",
-    "16",
-    "--train.progress",
-    "false",
-    "--comm.timeout_s",
-    "60",
-]
-
-
-def plait_train(*args, env=None, timeout=180):
-    return subprocess.run(
-        [sys.executable, "-m", "plait.cli", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +36,8 @@ def test_run_dir_contents(reference_run):
 
 def test_layout_independent_losses(reference_run, tmp_path):
     """dp=1 with 2 accumulation micro-batches and dp=2 see the same global batches: the same
-    losses within 1e-5 relative (the loss is normalised per token across ranks and micro-batches)."""
+    losses and gradient norms within 1e-5 relative (the loss is normalised per token across ranks
+    and micro-batches; the norm sees a wrong gradient scale that AdamW and clipping would hide)."""
     run, _ = reference_run
     one = tmp_path / "dp1"
     r = plait_train(*TINY, "--parallel.dp", "1", "--train.micro_batches", "2", "--train.run_dir", str(one))
@@ -84,13 +45,37 @@ def test_layout_independent_losses(reference_run, tmp_path):
     plain = tmp_path / "dp1-plain"
     r = plait_train(*TINY, "--parallel.dp", "1", "--train.run_dir", str(plain))
     assert r.returncode == 0, r.stderr
-    b = losses(run)
-    for a in (losses(one), losses(plain)):
-        assert a.keys() == b.keys()
-        for step in a:
-            assert abs(a[step] - b[step]) <= 1e-5 * abs(b[step]), (step, a[step], b[step])
+    for other, what in ((one, "dp1 x 2 micro-batches"), (run, "dp2")):
+        assert_runs_match(other, plain, what=what)
     # and the runs are not trivially equal: the loss moved
+    b = losses(run)
     assert b[8] < b[1] - 0.05
+
+
+ONE = ("--parallel.dp", "1")
+SGD_LAYOUTS = {
+    "dp2 x 2 micro-batches": ("--parallel.dp", "2", "--train.micro_batches", "2"),
+    "dp2 ZeRO-3": ("--parallel.dp", "2", "--parallel.zero_stage", "3"),
+    "tp2 + sequence parallel": (*ONE, "--parallel.tp", "2", "--parallel.sequence_parallel", "true"),
+    "pp2 1F1B x 4 micro-batches": (*ONE, "--parallel.pp", "2", "--parallel.microbatches", "4"),
+}
+
+
+def test_sgd_without_clipping_every_layout_follows_one_process(tmp_path):
+    """The parity matrix's scale-sensitive configuration: SGD with momentum, no clipping, a large
+    learning rate. Data parallel with accumulation, ZeRO-3, tensor + sequence parallel and a
+    pipeline each match one process's losses and gradient norms at every step."""
+    model = ("--model.n_layer", "4", "--model.n_head", "4")
+    one = tmp_path / "one"
+    r = plait_train(*TINY, *SGD, *model, "--parallel.dp", "1", "--train.run_dir", str(one))
+    assert r.returncode == 0, r.stderr
+    first, last = losses(one)[1], losses(one)[8]
+    assert last < first - 0.3, (first, last)  # SGD really trains at this rate
+    for i, (what, layout) in enumerate(SGD_LAYOUTS.items()):
+        run = tmp_path / f"layout{i}"
+        r = plait_train(*TINY, *SGD, *model, *layout, "--train.run_dir", str(run))
+        assert r.returncode == 0, r.stderr
+        assert_runs_match(run, one, what=what)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,14 @@ from torch import nn
 from plait.errors import ConfigError
 from plait.models import GPT, gpt_config
 from plait.optim import LAMB, allreduce_norms, param_groups
-from plait.testing import assert_close_losses, assert_close_params, run_ranks, state_of
+from plait.testing import (
+    assert_close_grad_norms,
+    assert_close_losses,
+    assert_close_params,
+    grad_norm,
+    run_ranks,
+    state_of,
+)
 from plait.zero import estimate_memory, model_state_bytes_formula, wrap
 
 STEPS = 20
@@ -22,6 +29,9 @@ CLIP = 0.5
 # Adam's eps: the key bias of attention gets a gradient of pure rounding noise (softmax is
 # invariant to it), which eps=1e-8 would amplify to full-size steps in any order of summation.
 EPS = 1e-5
+# SGD without clipping: the configuration where a gradient of the wrong scale changes the
+# trajectory from the first step (AdamW is invariant to the scale, and clipping caps it)
+SGD_LR = 0.5
 
 
 def _gpt() -> nn.Module:
@@ -57,21 +67,28 @@ def _adamw(groups):
     return torch.optim.AdamW(groups, lr=LR, weight_decay=0.1, eps=EPS)
 
 
+def _sgd(groups):
+    return torch.optim.SGD(groups, lr=SGD_LR, momentum=0.9)
+
+
 def _reference(kind="gpt", opt="adamw", delayed=False, recompute=False):
-    """One process, the whole batch: losses and final parameters. `delayed`: the one-step-stale
-    update of ZeRO-Offload's DPU (w_t+1 = w_t - update(grad at w_t-1))."""
+    """One process, the whole batch: losses, gradient norms (before clipping) and final
+    parameters. `delayed`: the one-step-stale update of ZeRO-Offload's DPU
+    (w_t+1 = w_t - update(grad at w_t-1)). SGD runs without clipping."""
     model = _gpt() if kind == "gpt" else _mlp()
     if recompute:
         from plait.train.recompute import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)
     groups = param_groups(model, 0.1)
-    optimizer = _adamw(groups) if opt == "adamw" else LAMB(groups, lr=LR)
-    losses, pending = [], None
+    optimizer = {"adamw": _adamw, "sgd": _sgd}.get(opt, lambda g: LAMB(g, lr=LR))(groups)
+    losses, norms, pending = [], [], None
     for x, y in _batches(kind):
         loss = _loss(model, kind, x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(grad_norm(model.parameters()))
+        if opt != "sgd":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         losses.append(float(loss.detach()))
         if delayed:
             grads = [p.grad.clone() for p in model.parameters()]
@@ -89,7 +106,7 @@ def _reference(kind="gpt", opt="adamw", delayed=False, recompute=False):
         for p, g in zip(model.parameters(), pending):
             p.grad = g
         optimizer.step()
-    return losses, state_of(model)
+    return losses, norms, state_of(model)
 
 
 def _train_config(mesh, name, stage, kind="gpt", opt="adamw", **opts):
@@ -105,21 +122,21 @@ def _train_config(mesh, name, stage, kind="gpt", opt="adamw", **opts):
         def factory(groups):
             return LAMB(groups, lr=LR, norm_reducer=allreduce_norms(mesh, shard_axis))
     else:
-        factory = _adamw
+        factory = _sgd if opt == "sgd" else _adamw
     if kind == "mlp":
         opts["wrap_policy"] = lambda name, m: isinstance(m, nn.Linear)
     groups = param_groups(model, 0.1)
     psi = sum(p.numel() for p in model.parameters())
     engine = wrap(model, mesh, stage, factory, param_groups=groups, bucket_mb=0.02, **opts)
     n, r = mesh.size("dp"), mesh.rank("dp")
-    losses, ledger, memory = [], None, None
+    losses, norms, ledger, memory = [], [], None, None
     for step, (x, y) in enumerate(_batches(kind)):
         mesh.ledger.clear()
         mesh.ledger.set_step(step)
         rows = x.shape[0] // n
         loss = _loss(engine.module, kind, x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows])
         loss.backward()
-        engine.clip_grad_norm_(CLIP)
+        norms.append(engine.grad_norm() if opt == "sgd" else engine.clip_grad_norm_(CLIP))
         engine.step()
         engine.zero_grad()
         if step == 3:
@@ -142,6 +159,7 @@ def _train_config(mesh, name, stage, kind="gpt", opt="adamw", **opts):
     return {
         "name": name,
         "losses": losses,
+        "grad_norms": norms,
         "params": params,
         "memory": memory,
         "ledger": ledger,
@@ -168,6 +186,9 @@ def _configs_2(tmp):
         ("s1-bf16", 1, {"mixed_precision": "bf16"}),
         ("s2-bf16", 2, {"mixed_precision": "bf16"}),
         ("s3-bf16", 3, {"mixed_precision": "bf16"}),
+        ("s1-sgd", 1, {"opt": "sgd"}),
+        ("s2-sgd", 2, {"opt": "sgd"}),
+        ("s3-sgd", 3, {"opt": "sgd"}),
     ]
 
 
@@ -179,6 +200,8 @@ def _configs_4(tmp):
         ("s2-hybrid", 2, {"hybrid_shard": 2}),
         ("s3-hybrid", 3, {"hybrid_shard": 2}),
         ("s3-disk", 3, {"offload": "disk", "offload_path": tmp}),
+        ("s2-sgd", 2, {"opt": "sgd"}),
+        ("s3-hybrid-sgd", 3, {"hybrid_shard": 2, "opt": "sgd"}),
     ]
 
 
@@ -219,6 +242,7 @@ def runs(request):
 def references():
     return {
         "adamw": _reference(),
+        "sgd": _reference(opt="sgd"),
         "lamb": _reference(opt="lamb"),
         "delayed": _reference(delayed=True),
         "mlp": _reference(kind="mlp"),
@@ -227,36 +251,38 @@ def references():
 
 
 def _ref_for(name, references):
-    for key in ("lamb", "delayed", "mlp", "recompute"):
+    for key in ("sgd", "lamb", "delayed", "mlp", "recompute"):
         if key in name:
             return references[key]
     return references["adamw"]
 
 
 def test_parity_with_one_process(runs, references):
-    """fp32: losses and parameters within 1e-6 of one process after 20 steps, every config
-    (stages 1-3, CPU and disk offload, the delayed update against a one-step-stale reference,
-    sharded LAMB, a non-GPT model, recomputation, hybrid sharding)."""
+    """fp32: losses and parameters within 1e-6 of one process after 20 steps, and every step's
+    gradient norm within 1e-5 relative, every config (stages 1-3, CPU and disk offload, the
+    delayed update against a one-step-stale reference, sharded LAMB, a non-GPT model,
+    recomputation, hybrid sharding, SGD without clipping)."""
     world, results = runs
     checked = 0
     for name, res in results[0].items():
         if "bf16" in name:
             continue
-        losses, params = _ref_for(name, references)
+        losses, norms, params = _ref_for(name, references)
         what = f"world {world} {name}:"
         # a loss near 5.5 is resolved to 4.8e-7 in fp32: averaging per-rank means rounds
         # differently from one mean over the batch, so the losses also get rtol 1e-6
         assert_close_losses(res["losses"], losses, atol=1e-6, rtol=1e-6, what=what)
+        assert_close_grad_norms(res["grad_norms"], norms, rtol=1e-5, what=what)
         assert_close_params(res["params"], params, atol=1e-6, what=what)
         for other in results[1:]:  # every rank gathers the same parameters
             assert_close_params(other[name]["params"], res["params"], atol=0.0, what=what)
         checked += 1
-    assert checked >= 6
+    assert checked >= 6 and any("sgd" in name for name in results[0])
 
 
 def test_bf16_policy_trains_close_to_fp32(runs_2, references):
     _, results = runs_2
-    ref_losses, ref_params = references["adamw"]
+    ref_losses, _, ref_params = references["adamw"]
     for name in ("s1-bf16", "s2-bf16", "s3-bf16"):
         res = results[0][name]
         # bf16 carries 8 bits of mantissa: agreement to its resolution, not to fp32's
@@ -275,7 +301,7 @@ def test_memory_matches_the_formulas(runs):
     world, results = runs
     checked = 0
     for name, res in results[0].items():
-        if any(k in name for k in ("disk", "mlp", "lamb", "delayed")):  # other K or layout
+        if any(k in name for k in ("disk", "mlp", "lamb", "delayed", "sgd")):  # other K or layout
             continue
         stage = int(name[1])
         n = 2 if "hybrid" in name else world
