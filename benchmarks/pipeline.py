@@ -30,7 +30,7 @@ What is measured (one job of 2 gloo ranks on the CPU, one compute thread per ran
   ====================  ======================================  =============================
 
   plait: ``PipelineEngine(model, Mesh(pp=2), AdamW, schedule=..., microbatches=8,
-  virtual_stages=v)``; a step is ``engine.train_step(x.chunk(8), y.chunk(8), 1 / tokens)``,
+  virtual_stages=v)``; a step is ``engine.forward_backward(list(zip(x.chunk(8), y.chunk(8))), 1 / tokens)``,
   ``engine.step()``, ``engine.zero_grad()``. The last stage returns the summed token
   cross-entropy, scaled by 1 / (tokens per step) (the runtime does it).
 
@@ -175,7 +175,7 @@ def plait_setup(kind: str, mesh, tokens: int):
     scale = 1.0 / tokens
 
     def step(x, y):
-        loss_sum = engine.train_step(list(x.chunk(M)), list(y.chunk(M)), scale)
+        loss_sum = engine.forward_backward(list(zip(x.chunk(M), y.chunk(M))), scale)
         engine.step()
         engine.zero_grad()
         return loss_sum

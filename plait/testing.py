@@ -277,3 +277,37 @@ def single_process_reference(
         optimizer.step()
         losses.append(float(loss.detach()))
     return Reference(losses, norms, state_of(model))
+
+
+# --- fault injection --------------------------------------------------------------------------
+
+
+def inject_fault(step: int, rank: int, cfg) -> None:
+    """A trainer step hook for the failure tests: run `plait train` with
+    PLAIT_STEP_HOOK=plait.testing:inject_fault and PLAIT_FAIL_AT=RANK:STEP[:hang|:enospc], and
+    that rank raises at that step, hangs (the others then wait for it in a collective), or finds
+    its disk full (every disk-offload write from then on fails with ENOSPC)."""
+    spec = os.environ.get("PLAIT_FAIL_AT")
+    if not spec:
+        return
+    at_rank, at_step, *mode = spec.split(":")
+    if (int(at_rank), int(at_step)) != (rank, step):
+        return
+    mode = mode[0] if mode else "raise"
+    if mode == "hang":
+        time.sleep(10 * cfg.comm.timeout_s)
+    elif mode == "enospc":
+        _fill_disk()
+    else:
+        raise RuntimeError(f"injected fault on rank {rank} at step {step} (PLAIT_FAIL_AT)")
+
+
+def _fill_disk() -> None:
+    import errno
+
+    from plait.zero import offload_disk
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    offload_disk._write_file = full

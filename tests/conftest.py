@@ -1,10 +1,10 @@
 """Helpers shared by the test files that run `plait train` end to end.
 
-`plait_train(*args)` runs the CLI in a subprocess; `TINY` is a few-second configuration;
-`losses(run)` and `metrics(run)` read rank 0's metrics.jsonl; `assert_runs_match` is the parity
-check between two runs: per step, the loss and the gradient norm before clipping. The gradient
-norm is what sees a gradient of the wrong scale that AdamW (invariant to a constant factor) and
-clipping hide from the losses.
+`plait_train(*args)` runs the CLI in a subprocess (`fault_env` makes a rank fail in it); `TINY`
+is a few-second configuration; `losses(run)` and `metrics(run)` read rank 0's metrics.jsonl;
+`assert_runs_match` is the parity check between two runs: per step, the loss and the gradient
+norm before clipping. The gradient norm is what sees a gradient of the wrong scale that AdamW
+(invariant to a constant factor) and clipping hide from the losses.
 """
 
 import os
@@ -52,6 +52,12 @@ def plait_train(*args, env=None, timeout=180):
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+def fault_env(spec: str) -> dict[str, str]:
+    """The environment that makes `plait train` fail as `spec` says (plait.testing.inject_fault):
+    RANK:STEP raises, RANK:STEP:hang hangs, RANK:STEP:enospc fills the disk."""
+    return {"PLAIT_STEP_HOOK": "plait.testing:inject_fault", "PLAIT_FAIL_AT": spec}
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:

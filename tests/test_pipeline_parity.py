@@ -6,6 +6,7 @@ steps within 1e-5."""
 import pytest
 import torch
 
+from plait.engine import Engine, RecordsTimeline
 from plait.errors import ConfigError, PipelineError
 from plait.models import GPT, gpt_config
 from plait.optim import param_groups
@@ -80,13 +81,14 @@ def _pipeline_run(mesh, kind, m, v=None, tp=False, recompute=False):
         param_groups=lambda mod: param_groups(mod, 0.1),
         recompute=recompute,
     )
+    assert isinstance(engine, Engine) and isinstance(engine, RecordsTimeline)
     dp, r = mesh.size("dp"), mesh.rank("dp")
     rows = BATCH // dp
     tokens = rows * SEQ
     losses, norms, grads = [], [], None
     for x, y in _batches():
         x, y = x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows]
-        loss_sum = engine.train_step(list(x.chunk(m)), list(y.chunk(m)), 1.0 / tokens)
+        loss_sum = engine.forward_backward(list(zip(x.chunk(m), y.chunk(m))), 1.0 / tokens)
         if grads is None:
             grads = {
                 n: _whole_grad(p, mesh) if tp else p.grad.clone() for n, p in engine.raw.named_parameters()

@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from conftest import SGD, TINY, assert_runs_match, losses, plait_train
+from conftest import SGD, TINY, assert_runs_match, fault_env, losses, plait_train
 
 from plait.train.metrics import read_metrics
 
@@ -180,7 +180,7 @@ def test_a_stuck_rank_is_reported_by_the_watchdog_and_the_job_ends(tmp_path):
         "4",
         "--train.run_dir",
         str(tmp_path / "run"),
-        env={"PLAIT_FAIL_AT": "1:3:hang"},
+        env=fault_env("1:3:hang"),
     )
     elapsed = time.time() - t0
     assert r.returncode == 1, r.stderr
@@ -192,7 +192,7 @@ def test_a_stuck_rank_is_reported_by_the_watchdog_and_the_job_ends(tmp_path):
 def test_failing_rank_takes_the_job_down_with_its_traceback(tmp_path):
     t0 = time.time()
     r = plait_train(
-        *TINY, "--parallel.dp", "2", "--train.run_dir", str(tmp_path / "run"), env={"PLAIT_FAIL_AT": "1:3"}
+        *TINY, "--parallel.dp", "2", "--train.run_dir", str(tmp_path / "run"), env=fault_env("1:3")
     )
     elapsed = time.time() - t0
     assert r.returncode == 1

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.engine import Engine, ErrorFeedback
 from plait.errors import ConfigError
 from plait.models import GPT, gpt_config
 from plait.optim import LAMB, allreduce_norms, param_groups
@@ -128,6 +129,8 @@ def _train_config(mesh, name, stage, kind="gpt", opt="adamw", **opts):
     groups = param_groups(model, 0.1)
     psi = sum(p.numel() for p in model.parameters())
     engine = wrap(model, mesh, stage, factory, param_groups=groups, bucket_mb=0.02, **opts)
+    assert isinstance(engine, Engine)  # the contract the trainer drives (plait.engine)
+    assert isinstance(engine, ErrorFeedback) == (stage in (0, 1, 2))
     n, r = mesh.size("dp"), mesh.rank("dp")
     losses, norms, ledger, memory = [], [], None, None
     for step, (x, y) in enumerate(_batches(kind)):

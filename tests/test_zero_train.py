@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TINY, assert_runs_match, losses, plait_train
+from conftest import TINY, assert_runs_match, fault_env, losses, plait_train
 
 from plait.errors import ConfigError
 from plait.train.checkpoint import latest_checkpoint, verify_checkpoint
@@ -77,7 +77,7 @@ def test_plait_train_runs_each_zero_mode(tmp_path, args):
 def test_full_disk_while_offloading_fails_clearly_and_keeps_the_checkpoint(tmp_path):
     run = tmp_path / "run"
     args = (*TINY, "--parallel.zero_stage", "3", "--offload.optimizer", "disk", "--train.run_dir", str(run))
-    r = plait_train(*args, env={"PLAIT_FAIL_AT": "1:6:enospc"})
+    r = plait_train(*args, env=fault_env("1:6:enospc"))
     assert r.returncode != 0
     assert "free space or choose another [offload] path" in r.stderr, r.stderr[-3000:]
     ckpt = latest_checkpoint(run / "checkpoints")

@@ -16,6 +16,8 @@ gradients those of single-process training:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -109,18 +111,29 @@ class PipelineEngine:
         self._dp = mesh.size("dp")
         self._tp = "tp" if mesh.size("tp") > 1 else None
         self._synced = False
+        self._record = False
 
     # --- one step -----------------------------------------------------------------------------
 
-    def train_step(self, inputs, targets, loss_scale: float, record: bool = False) -> torch.Tensor:
-        """Forward and backward of every micro-batch by the schedule; gradients reduced over dp
-        and tied copies summed. Returns this rank's summed loss (non-zero on the last stage)."""
+    def forward_backward(self, micro_batches, loss_scale: float, autocast=None) -> torch.Tensor:
+        """Forward and backward of every micro-batch by the schedule (the engine contract of
+        plait.engine); gradients reduced over dp and tied copies summed. Returns this rank's
+        summed loss (non-zero on the last stage only). After `record_next_step()` the step's
+        action timings are kept for `gather_events()`."""
+        record, self._record = self._record, False
         self._finished.clear()
         self._reduced.clear()
         self._synced = False
-        loss = self.runtime.step(inputs, targets, loss_scale, record=record)
+        inputs, targets = [x for x, _ in micro_batches], [y for _, y in micro_batches]
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            loss = self.runtime.step(inputs, targets, loss_scale, record=record)
         self._sync_grads()
         return loss
+
+    def record_next_step(self) -> None:
+        """Time the next step's actions (every pipeline rank starts it together)."""
+        comm.barrier(self.mesh, "pp")
+        self._record = True
 
     def _stage_done(self, stage: int) -> None:
         self._finished.add(stage)
@@ -163,11 +176,15 @@ class PipelineEngine:
 
     # --- evaluation ---------------------------------------------------------------------------
 
-    def eval_loss_sum(self, inputs, targets) -> torch.Tensor:
+    @torch.no_grad()
+    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward only through the stages: the summed token loss of the rows `x`, `y`, as the
+        schedule's micro-batches when the rows split into them (else as one)."""
+        m = self.schedule.m if x.shape[0] % self.schedule.m == 0 else 1
         was = self.raw.training
         self.raw.eval()
         try:
-            return self.runtime.forward_only(inputs, targets)
+            return self.runtime.forward_only(list(x.chunk(m)), list(y.chunk(m)))
         finally:
             self.raw.train(was)
 
@@ -227,8 +244,6 @@ class PipelineEngine:
             self._tied.grad = None
 
     def no_sync(self):
-        import contextlib
-
         return contextlib.nullcontext()
 
     def memory(self) -> dict:

@@ -10,6 +10,8 @@ mean, reduced in float64.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib
 import json
 import math
 import os
@@ -21,21 +23,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from plait import comm, zero
-from plait.comm.compress import make_compressor
+from plait import comm
 from plait.data import DistributedBatchSampler, eval_batches, load_corpus
+from plait.engine import Engine, ErrorFeedback, RecordsTimeline
 from plait.errors import CheckpointError, ConfigError
 from plait.mesh import Mesh, init_distributed
 from plait.models import GPT, gpt_train_flops_per_token
-from plait.optim import allreduce_norms, param_groups
-from plait.optim import build_optimizer as make_optimizer
-from plait.optim.onebit_adam import MomentumHook, OneBitAdam
-from plait.tensor_parallel import apply_tp, without_sequence_parallel
+from plait.tensor_parallel import without_sequence_parallel
+from plait.train.build import build_engine, describe_engine, micro_batches_per_step
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from plait.train.config import Config, model_config, pipeline_shape
+from plait.train.config import Config, model_config
 from plait.train.metrics import MetricsWriter, peak_memory_bytes, plot_loss_curve, read_metrics
 from plait.train.peak import peak_flops_per_rank
-from plait.train.recompute import apply_activation_checkpointing
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -46,115 +45,11 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path):
-    """Data parallel or ZeRO (plait.zero.wrap) with the configured optimizer; weight decay (and
-    LAMB/LARS's trust ratio) on matrices only. Sharded LAMB/LARS reduce their per-layer norms
-    over the shard axis, so each shard sees its whole layer's norms."""
-    t, p, o = cfg.train, cfg.parallel, cfg.offload
-    shard_axis = "dp_shard" if p.hybrid_shard else "dp"
-    reducer = allreduce_norms(mesh, shard_axis) if p.zero_stage >= 1 else None
-
-    c = cfg.comm
-    momentum_hook = None
-    if c.target == "momentum":  # 1-bit Adam: the optimizer exchanges the momentum, compressed
-        compressor = make_compressor(
-            c.compression,
-            topk_ratio=c.topk_ratio,
-            error_feedback=c.error_feedback,
-            powersgd_rank=c.powersgd_rank,
-        )
-        momentum_hook = MomentumHook(compressor, c.freeze_step)
-
-    def factory(groups):
-        if momentum_hook is not None:
-            return OneBitAdam(groups, momentum_hook, mesh, "dp", lr=t.lr, betas=(t.beta1, t.beta2))
-        return make_optimizer(
-            cfg.optim.name,
-            groups,
-            lr=t.lr,
-            betas=(t.beta1, t.beta2),
-            momentum=cfg.optim.momentum,
-            norm_reducer=reducer,
-        )
-
-    if p.pp > 1:
-        from plait.pipeline.engine import PipelineEngine
-
-        m, v = pipeline_shape(cfg)
-        return PipelineEngine(
-            raw,
-            mesh,
-            factory,
-            schedule=p.schedule,
-            microbatches=m,
-            virtual_stages=v,
-            recompute=t.activation_checkpointing,
-            param_groups=lambda part: param_groups(part, t.weight_decay),
-        )
-
-    extra = {}
-    if p.zero_stage <= 2:  # stage 0: the bucket all-reduce; stages 1-2: the bucket reduce-scatter
-        extra["comm_hook"] = momentum_hook or make_compressor(
-            c.compression,
-            topk_ratio=c.topk_ratio,
-            error_feedback=c.error_feedback,
-            powersgd_rank=c.powersgd_rank,
-        )
-    if p.zero_stage > 0:
-        extra.update(
-            mixed_precision="bf16" if t.bf16 else None,
-            hybrid_shard=p.hybrid_shard or None,
-            offload=o.optimizer,
-            offload_path=(o.path or str(run_dir / "offload")) if o.optimizer == "disk" else None,
-            delayed_update=o.delayed_update,
-        )
-    return zero.wrap(
-        raw,
-        mesh,
-        p.zero_stage,
-        factory,
-        param_groups=param_groups(raw, t.weight_decay),
-        bucket_mb=p.bucket_mb,
-        **extra,
-    )
-
-
-def describe_engine(cfg: Config, engine) -> str:
-    """One line: the sharding and the mixed-precision policy (printed at start-up)."""
-    p, o = cfg.parallel, cfg.offload
-    tp = ""
-    if p.tp > 1:
-        tp = f"tensor parallel over {p.tp}" + (" + sequence parallel" if p.sequence_parallel else "") + ", "
-    if p.pp > 1:
-        s = engine.schedule
-        what = (
-            f"{tp}pipeline over {p.pp} ({s.kind}, {s.m} micro-batches, {s.n_stages} stages: this rank "
-            f"holds {list(s.stages[engine.rank])}), data parallel over {p.dp}"
-        )
-        return f"{what} | precision: {'bf16 autocast, fp32 parameters' if cfg.train.bf16 else 'fp32'}"
-    if p.zero_stage == 0:
-        what = f"{tp}data parallel over {p.dp}, {len(engine.module.buckets)} gradient bucket(s)"
-        precision = "bf16 autocast, fp32 parameters" if cfg.train.bf16 else "fp32"
-    else:
-        what = f"ZeRO stage {p.zero_stage}"
-        if p.hybrid_shard:
-            what += f", hybrid: shard over {p.hybrid_shard}, replicate x{p.dp // p.hybrid_shard}"
-        if o.optimizer != "none":
-            what += f", offload {o.optimizer}" + (" + delayed update" if o.delayed_update else "")
-        precision = (
-            "parameters and gradients bf16, master weights and optimizer state fp32"
-            if cfg.train.bf16
-            else "fp32 throughout"
-        )
-    return f"{what} | precision: {precision}"
-
-
 @torch.no_grad()
-def evaluate(
-    model: torch.nn.Module, batches, mesh: Mesh, device: torch.device, bf16: bool, pipeline=None
-) -> float:
-    """Mean held-out loss per token; each dp rank evaluates its rows of every batch (through
-    the pipeline's stages, forward only, when `pipeline` is a PipelineEngine)."""
+def evaluate(engine: Engine, batches, mesh: Mesh, device: torch.device, bf16: bool) -> float:
+    """Mean held-out loss per token; each dp rank evaluates its rows of every batch through the
+    engine (forward only; a pipeline runs them through its stages)."""
+    model = engine.module
     was_training = model.training
     model.eval()
     n, r = mesh.size("dp"), mesh.rank("dp")
@@ -163,14 +58,10 @@ def evaluate(
         rows = x.shape[0] // n
         xs, ys = x[r * rows : (r + 1) * rows].to(device), y[r * rows : (r + 1) * rows].to(device)
         with _autocast(device, bf16):
-            if pipeline is not None:
-                m = pipeline.schedule.m if rows % pipeline.schedule.m == 0 else 1
-                total += float(pipeline.eval_loss_sum(list(xs.chunk(m)), list(ys.chunk(m))))
-            else:
-                total += float(model(xs, ys, reduction="sum"))
+            total += float(engine.eval_loss_sum(xs, ys))
         count += ys.numel()
     model.train(was_training)
-    total = comm.all_reduce_scalar(total, mesh, ("dp", "pp"))
+    total = comm.all_reduce_scalar(total, mesh, ("dp", "pp"))  # a pipeline's loss is on its last stage
     count = comm.all_reduce_scalar(count, mesh, ("dp",))
     return total / count
 
@@ -236,10 +127,90 @@ def _agreed_run_dir(cfg: Config, mesh: Mesh) -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.localtime(int(stamp)))
 
 
+@dataclasses.dataclass
+class _Run:
+    """What the step loop works with, built once by `_setup`."""
+
+    cfg: Config
+    mesh: Mesh
+    run_dir: Path
+    corpus: object
+    sampler: DistributedBatchSampler
+    val: list
+    raw: GPT
+    engine: Engine
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    metrics: MetricsWriter
+    start: int  # the last step already taken (0, or the checkpoint's)
+    last: int  # the last step this invocation takes (train.stop_at or train.steps)
+    n_params: int
+    tokens_per_step: int
+    local_tokens: int  # tokens per dp rank per step: the loss is divided by it
+    flops_per_token: float
+    peak_flops: float
+    timeline_step: int  # the step whose action timeline is recorded (engines that record one)
+
+
 def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> dict:
+    run = _setup(cfg, mesh, resume, peak_flops)
+    t, engine = cfg.train, run.engine
+    _announce(run)
+    bar = tqdm(
+        total=t.steps,
+        initial=run.start,
+        disable=not (mesh.is_rank0 and t.progress),
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=1.0,
+        file=sys.stderr,
+    )
+    engine.module.train()
+    window = _Window()
+    hook = step_hook()
+    loss, val_loss = float("nan"), None
+    for step in range(run.start + 1, run.last + 1):
+        if hook is not None:
+            hook(step=step, rank=mesh.global_rank, cfg=cfg)
+        record = _train_step(run, step)
+        loss = record["loss"]
+        window.steps += 1
+        if step % t.log_every == 0 or step == run.last:
+            _log(run, step, record, window)
+        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+            if step == t.steps:
+                engine.finish()  # the final held-out loss is of the final parameters
+            val_loss = record["val_loss"] = evaluate(engine, run.val, mesh, mesh.device, t.bf16)
+            _say(
+                mesh,
+                f"step {step:>5}/{t.steps} | held-out loss {val_loss:.4f} ({val_loss / math.log(2):.3f} "
+                f"bits/byte)",
+            )
+        run.metrics.write(**record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == run.last:
+            save_checkpoint(
+                run.run_dir / "checkpoints",
+                step,
+                mesh,
+                engine,
+                run.scheduler,
+                run.sampler,
+                t.keep_checkpoints,
+            )
+    bar.close()
+    run.metrics.close()
+    engine.finish()
+    summary = _finish(run, loss, val_loss)
+    engine.close()
+    return summary
+
+
+def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> _Run:
+    """The run directory, data, model, engine, schedule and (on resume) the checkpoint's state."""
     t, device = cfg.train, mesh.device
     run_dir = _agreed_run_dir(cfg, mesh)
-    ckpt_root = run_dir / "checkpoints"
     if mesh.is_rank0:
         if not resume:
             check_fresh_run_dir(run_dir)
@@ -249,16 +220,15 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
 
     mcfg = model_config(cfg)
     corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)
-    dp, dp_rank = mesh.size("dp"), mesh.rank("dp")
-    pipelined = cfg.parallel.pp > 1
+    dp = mesh.size("dp")
     sampler = DistributedBatchSampler(
         corpus.train,
         mcfg.seq_len,
         t.global_batch,
-        dp_rank,
+        mesh.rank("dp"),
         dp,
         t.seed,
-        micro_batches=pipeline_shape(cfg)[0] if pipelined else t.micro_batches,
+        micro_batches=micro_batches_per_step(cfg),
     )
     val = eval_batches(corpus.val, mcfg.seq_len, t.global_batch, t.eval_batches)
 
@@ -267,19 +237,9 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     torch.manual_seed(t.seed)  # identical initialisation on every rank (DataParallel broadcasts anyway)
     raw = GPT(mcfg).to(device)
     n_params = sum(q.numel() for q in raw.parameters())
-    if cfg.parallel.tp > 1:  # Megatron-LM's split; the per-tp-rank stream differs per dp replica too
-        apply_tp(
-            raw,
-            mesh,
-            sequence_parallel=cfg.parallel.sequence_parallel,
-            seed=t.seed + 1000 * (1 + mesh.rank("dp")),
-        )
-    if t.activation_checkpointing and cfg.parallel.pp == 1:  # a pipeline recomputes per stage
-        apply_activation_checkpointing(raw)
     engine = build_engine(raw, cfg, mesh, run_dir)
-    model, optimizer = engine.module, engine.optimizer
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr / t.lr)
+        engine.optimizer, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr / t.lr)
     )
     # dropout streams differ per data-parallel replica; tensor-parallel peers share theirs, as
     # they must for dropout on replicated activations (split ones use apply_tp's own stream)
@@ -287,6 +247,7 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
 
     start = 0
     if resume:
+        ckpt_root = run_dir / "checkpoints"
         path = latest_checkpoint(ckpt_root)
         if path is None:
             raise CheckpointError(f"--resume: {ckpt_root} holds no checkpoint to resume from")
@@ -295,21 +256,43 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
         if mesh.is_rank0:
             _truncate_metrics(run_dir, start)
     comm.barrier(mesh)
-    metrics = MetricsWriter(run_dir, mesh.global_rank)
-
-    tokens_per_step = t.global_batch * mcfg.seq_len
-    local_tokens = tokens_per_step // dp
-    # model FLOPs: recomputation is overhead, not useful work, so MFU never counts it
-    flops_per_token = gpt_train_flops_per_token(mcfg, recompute=False)
     last = min(t.steps, t.stop_at) if t.stop_at else t.steps
+    tokens_per_step = t.global_batch * mcfg.seq_len
+    return _Run(
+        cfg=cfg,
+        mesh=mesh,
+        run_dir=run_dir,
+        corpus=corpus,
+        sampler=sampler,
+        val=val,
+        raw=raw,
+        engine=engine,
+        scheduler=scheduler,
+        metrics=MetricsWriter(run_dir, mesh.global_rank),
+        start=start,
+        last=last,
+        n_params=n_params,
+        tokens_per_step=tokens_per_step,
+        local_tokens=tokens_per_step // dp,
+        # model FLOPs: recomputation is overhead, not useful work, so MFU never counts it
+        flops_per_token=gpt_train_flops_per_token(mcfg, recompute=False),
+        peak_flops=peak,
+        timeline_step=min(start + 3, last),  # the third step, after warm-up
+    )
+
+
+def _announce(run: _Run) -> None:
+    """The start-up lines: model, mesh, batch, steps, run directory, engine, notes."""
+    cfg, mesh = run.cfg, run.mesh
+    mcfg = run.raw.cfg
     _say(
         mesh,
         f"plait: GPT {mcfg.n_layer}L {mcfg.n_head}H d={mcfg.d_model} seq={mcfg.seq_len} "
-        f"({n_params / 1e6:.2f}M params) | mesh {mesh.shape_str()} on {device} | "
-        f"global batch {t.global_batch} x {mcfg.seq_len} tokens | steps {start + 1}..{last} | "
-        f"run dir {run_dir}",
+        f"({run.n_params / 1e6:.2f}M params) | mesh {mesh.shape_str()} on {mesh.device} | "
+        f"global batch {cfg.train.global_batch} x {mcfg.seq_len} tokens | "
+        f"steps {run.start + 1}..{run.last} | run dir {run.run_dir}",
     )
-    _say(mesh, f"plait: {describe_engine(cfg, engine)}")
+    _say(mesh, f"plait: {describe_engine(cfg, run.engine)}")
     c = cfg.comm
     if c.target == "momentum":
         _say(
@@ -332,119 +315,68 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
             "see docs/compression.md",
         )
 
-    bar = tqdm(
-        total=t.steps,
-        initial=start,
-        disable=not (mesh.is_rank0 and t.progress),
-        desc="train",
-        unit="step",
-        dynamic_ncols=True,
-        mininterval=1.0,
-        file=sys.stderr,
+
+def _train_step(run: _Run, step: int) -> dict:
+    """One optimizer step through the engine contract; returns the step's metric record."""
+    cfg, mesh, engine = run.cfg, run.mesh, run.engine
+    t, device = cfg.train, mesh.device
+    mesh.ledger.set_step(step)
+    lr = engine.optimizer.param_groups[0]["lr"]
+    if isinstance(engine, ErrorFeedback):  # residuals in units of the step (plait.comm.compress)
+        engine.set_lr_scale(lr / t.lr)
+    timeline = isinstance(engine, RecordsTimeline) and step == run.timeline_step
+    if timeline:
+        engine.record_next_step()
+    t0 = time.perf_counter()
+    micro = [(x.to(device), y.to(device)) for x, y in run.sampler.next_batch()]
+    local_sum = engine.forward_backward(micro, 1.0 / run.local_tokens, lambda: _autocast(device, t.bf16))
+    if timeline:
+        _write_timeline(engine, mesh, run.run_dir, time.perf_counter() - t0)
+    grad_norm = engine.clip_grad_norm_(t.grad_clip) if t.grad_clip > 0 else engine.grad_norm()
+    engine.step()
+    run.scheduler.step()
+    engine.zero_grad(set_to_none=True)
+    mesh.ledger.set_step(-1)  # the loss report is not part of the step's traffic
+    loss = comm.all_reduce_scalar(float(local_sum), mesh, ("dp", "pp")) / run.tokens_per_step
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "step_time_s": time.perf_counter() - t0,
+        "local_loss": float(local_sum) / run.local_tokens,
+    }
+
+
+@dataclasses.dataclass
+class _Window:
+    """Steps and wall time since the last log line (the throughput is measured over them)."""
+
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+    steps: int = 0
+
+
+def _log(run: _Run, step: int, record: dict, window: _Window) -> None:
+    """Throughput, MFU, memory and traffic over the window into `record`, and the log line."""
+    mesh = run.mesh
+    elapsed = time.perf_counter() - window.t0
+    tok_s = window.steps * run.tokens_per_step / elapsed
+    mfu = tok_s * run.flops_per_token / (run.peak_flops * mesh.world_size)
+    mem = peak_memory_bytes(mesh.device)
+    record.update(
+        model_state_bytes=run.engine.memory(),
+        tokens_per_s=tok_s,
+        mfu=mfu,
+        peak_mem_bytes=mem,
+        comm_bytes=mesh.ledger.total(step, "bus_bytes"),
+        comm_uncompressed_bytes=mesh.ledger.total(step, "logical_bytes"),
     )
-    model.train()
-    # the step whose action timings are recorded and drawn (pipelines): the third, after warm-up
-    timeline_step = min(start + 3, last) if pipelined else -1
-    window_t0, window_steps, loss, val_loss = time.perf_counter(), 0, float("nan"), None
-    fault = _injected_fault()
-    hook = getattr(engine, "comm_hook", None)
-    lr_scaled = hook if hasattr(hook, "set_lr_scale") else None
-    for step in range(start + 1, last + 1):
-        mesh.ledger.set_step(step)
-        if fault is not None and fault[:2] == (mesh.global_rank, step):
-            if fault[2] == "hang":  # a stuck rank: the others wait for it in the gradient all-reduce
-                time.sleep(10 * cfg.comm.timeout_s)
-            if fault[2] == "enospc":  # the disk fills up: every offload write from now on fails
-                _fill_disk()
-                fault = None
-            else:
-                raise RuntimeError(
-                    f"injected fault on rank {mesh.global_rank} at step {step} (PLAIT_FAIL_AT)"
-                )
-        if lr_scaled is not None:  # error feedback in units of the step (plait.comm.compress)
-            lr_scaled.set_lr_scale(optimizer.param_groups[0]["lr"] / t.lr)
-        step_t0 = time.perf_counter()
-        micro = sampler.next_batch()
-        local_sum = torch.zeros((), dtype=torch.float64, device=device)
-        if pipelined:
-            record = step == timeline_step
-            if record:
-                comm.barrier(mesh, "pp")  # one start line for the measured timeline
-                step_t0 = time.perf_counter()
-            with _autocast(device, t.bf16):
-                local_sum += engine.train_step(
-                    [x.to(device) for x, _ in micro],
-                    [y.to(device) for _, y in micro],
-                    1.0 / local_tokens,
-                    record,
-                )
-            if record:
-                _write_timeline(engine, mesh, run_dir, time.perf_counter() - step_t0)
-            micro = []
-        for i, (x, y) in enumerate(micro):
-            sync = contextlib.nullcontext() if i == len(micro) - 1 else engine.no_sync()
-            with sync:
-                with _autocast(device, t.bf16):
-                    loss_sum = model(x.to(device), y.to(device), reduction="sum")
-                (loss_sum / local_tokens).backward()
-            local_sum += loss_sum.detach().double()
-        grad_norm = engine.clip_grad_norm_(t.grad_clip) if t.grad_clip > 0 else engine.grad_norm()
-        lr = optimizer.param_groups[0]["lr"]
-        engine.step()
-        scheduler.step()
-        engine.zero_grad(set_to_none=True)
-        mesh.ledger.set_step(-1)  # the loss report is not part of the step's traffic
-        loss = comm.all_reduce_scalar(float(local_sum), mesh, ("dp", "pp")) / tokens_per_step
-        step_time = time.perf_counter() - step_t0
-        window_steps += 1
-        record = {
-            "step": step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "step_time_s": step_time,
-            "local_loss": float(local_sum) / local_tokens,
-        }
-        if step % t.log_every == 0 or step == last:
-            elapsed = time.perf_counter() - window_t0
-            tok_s = window_steps * tokens_per_step / elapsed
-            mfu = tok_s * flops_per_token / (peak * mesh.world_size)
-            mem = peak_memory_bytes(device)
-            record.update(model_state_bytes=engine.memory())
-            record.update(
-                tokens_per_s=tok_s,
-                mfu=mfu,
-                peak_mem_bytes=mem,
-                comm_bytes=mesh.ledger.total(step, "bus_bytes"),
-                comm_uncompressed_bytes=mesh.ledger.total(step, "logical_bytes"),
-            )
-            _say(
-                mesh,
-                f"step {step:>5}/{t.steps} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:>8,.0f} tok/s | "
-                f"MFU {mfu:6.2%} | peak mem {mem / 2**20:,.0f} MiB",
-            )
-            window_t0, window_steps = time.perf_counter(), 0
-        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-            if step == t.steps:
-                engine.finish()  # the final held-out loss is of the final parameters
-            val_loss = evaluate(raw, val, mesh, device, t.bf16, engine if pipelined else None)
-            record["val_loss"] = val_loss
-            _say(
-                mesh,
-                f"step {step:>5}/{t.steps} | held-out loss {val_loss:.4f} ({val_loss / math.log(2):.3f} "
-                f"bits/byte)",
-            )
-        metrics.write(**record)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == last:
-            save_checkpoint(ckpt_root, step, mesh, engine, scheduler, sampler, keep=t.keep_checkpoints)
-    bar.close()
-    metrics.close()
-    engine.finish()
-    summary = _finish(cfg, mesh, raw, corpus, run_dir, last, loss, val_loss, n_params, engine.memory())
-    engine.close()
-    return summary
+    _say(
+        mesh,
+        f"step {step:>5}/{run.cfg.train.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+        f"{tok_s:>8,.0f} tok/s | MFU {mfu:6.2%} | peak mem {mem / 2**20:,.0f} MiB",
+    )
+    window.t0, window.steps = time.perf_counter(), 0
 
 
 def _write_timeline(engine, mesh: Mesh, run_dir: Path, step_time: float) -> None:
@@ -487,26 +419,17 @@ def _write_timeline(engine, mesh: Mesh, run_dir: Path, step_time: float) -> None
     )
 
 
-def _fill_disk() -> None:
-    """Make every later disk-offload write fail as on a full disk (ENOSPC)."""
-    import errno
-
-    from plait.zero import offload_disk
-
-    def full(path, data):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-
-    offload_disk._write_file = full
-
-
-def _injected_fault() -> tuple[int, int, str] | None:
-    """PLAIT_FAIL_AT=RANK:STEP[:hang|:enospc] makes that rank raise, hang, or find its disk full
-    (disk offload writes fail) at that step: a hook for the failure tests."""
-    spec = os.environ.get("PLAIT_FAIL_AT")
+def step_hook():
+    """The function named by PLAIT_STEP_HOOK ("package.module:function"), called as
+    `hook(step=, rank=, cfg=)` at the start of every step, or None: an extension point for
+    instrumentation and for the failure tests (plait.testing.inject_fault)."""
+    spec = os.environ.get("PLAIT_STEP_HOOK")
     if not spec:
         return None
-    rank, step, *mode = spec.split(":")
-    return int(rank), int(step), (mode[0] if mode else "raise")
+    module, _, name = spec.partition(":")
+    if not name:
+        raise ConfigError(f"PLAIT_STEP_HOOK = {spec!r}: expected 'package.module:function'")
+    return getattr(importlib.import_module(module), name)
 
 
 def _truncate_metrics(run_dir: Path, step: int) -> None:
@@ -516,18 +439,10 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
-def _finish(
-    cfg: Config,
-    mesh: Mesh,
-    raw: GPT,
-    corpus,
-    run_dir: Path,
-    step: int,
-    loss: float,
-    val_loss: float | None,
-    n_params: int,
-    memory: dict,
-) -> dict:
+def _finish(run: _Run, loss: float, val_loss: float | None) -> dict:
+    """The summary (rank 0 writes summary.json and loss.png), a text sample and the last lines."""
+    cfg, mesh, raw, corpus, run_dir, step = run.cfg, run.mesh, run.raw, run.corpus, run.run_dir, run.last
+    memory, n_params = run.engine.memory(), run.n_params
     summary = {
         "step": step,
         "loss": loss,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plait.engine import AccumulatingEngine, ScalesResiduals
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.zero.estimate import activation_bytes, estimate_memory, model_state_bytes_formula
@@ -49,9 +50,9 @@ STAGES = (0, 1, 2, 3)
 MIXED_PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class Stage0:
+class Stage0(AccumulatingEngine):
     """Stage 0: plain data parallelism (`DataParallel`) and an unsharded optimizer, behind the
-    same interface as the ZeRO stages."""
+    engine contract (plait.engine) as the ZeRO stages."""
 
     def __init__(self, module: nn.Module, mesh: Mesh, factory: OptimizerFactory, param_groups, **ddp):
         from plait.data_parallel import DataParallel
@@ -105,6 +106,10 @@ class Stage0:
     @property
     def comm_hook(self):
         return self.module.comm_hook
+
+    def set_lr_scale(self, scale: float) -> None:
+        if isinstance(self.module.comm_hook, ScalesResiduals):
+            self.module.comm_hook.set_lr_scale(scale)
 
     def residual_buffers(self) -> dict[str, torch.Tensor] | None:
         """This rank's error-feedback residuals, one per bucket (zeros where none yet), for

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from plait.engine import AccumulatingEngine
 from plait.zero.sharded import ShardedOptimizer
 from plait.zero.state import ShardedState
 
 
-class ShardedEngine:
-    """Methods common to `ZeroOptimizer` (stages 1, 2) and `ZeroStage3`; subclasses set
-    `self.shards` (the ShardedOptimizer) and `self.optimizer` (its torch optimizer)."""
+class ShardedEngine(AccumulatingEngine):
+    """Methods common to `ZeroOptimizer` (stages 1, 2) and `ZeroStage3` (the engine contract of
+    plait.engine); subclasses set `self.shards` (the ShardedOptimizer) and `self.optimizer`."""
 
     shards: ShardedOptimizer
 
@@ -55,10 +54,6 @@ class ShardedEngine:
 
     def grad_norm(self) -> float:
         return self.shards.grad_norm()
-
-    def no_sync(self):
-        """Stages 2-3 synchronise every backward (their gradients live in shards)."""
-        return contextlib.nullcontext()
 
     def finish(self) -> None:
         """Complete a delayed (DPU) step still in flight; call before evaluating or saving."""

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.engine import ScalesResiduals
 from plait.errors import ConfigError, DataParallelError
 from plait.mesh import Mesh
 from plait.zero.engine import ShardedEngine
@@ -257,6 +258,10 @@ class ZeroOptimizer(ShardedEngine):
             if self.master_is_separate:
                 b.flat[lo:hi].copy_(g.master)
             comm.all_gather(b.flat, b.flat[lo:hi].clone(), self.mesh, self.shard_axis)
+
+    def set_lr_scale(self, scale: float) -> None:
+        if isinstance(self.comm_hook, ScalesResiduals):
+            self.comm_hook.set_lr_scale(scale)
 
     def residual_buffers(self) -> dict[str, torch.Tensor] | None:
         """This rank's error-feedback residuals, one per bucket (zeros where none yet), for

@@ -1,0 +1,129 @@
+"""The engine contract: what every way of training (data parallel, ZeRO 1-3, pipelines) offers
+the trainer, so that the step loop never asks which one it drives.
+
+An engine owns a model's parallel wrapping and its optimizer. One training step is
+
+    loss_sum = engine.forward_backward(micro_batches, loss_scale)   # gradients synchronised
+    norm = engine.clip_grad_norm_(max_norm)                         # global norm, every axis
+    engine.step(); engine.zero_grad()
+
+`forward_backward` runs forward and backward over the step's micro-batches (accumulating, with
+communication only after the last one, or by a pipeline schedule) on a loss that is the *sum*
+of token losses times `loss_scale` (the trainer passes 1 / tokens per dp rank per step, so the
+gradient is that of the mean loss over the global batch whatever the layout), and returns this
+rank's unscaled loss sum as a float64 scalar.
+
+Optional capabilities are protocols of their own, checked with isinstance: `ErrorFeedback`
+(the gradient exchange keeps per-rank residuals: saved with checkpoints, and kept in units of
+the step, so the trainer tells it the learning-rate ratio) and `RecordsTimeline` (a pipeline's
+measured action timeline).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+Autocast = Callable[[], contextlib.AbstractContextManager] | None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The contract every engine implements (see the module docstring)."""
+
+    module: nn.Module  # the model to call, wrapped as the engine needs
+    optimizer: torch.optim.Optimizer  # the torch optimizer (for learning-rate schedulers)
+
+    def forward_backward(self, micro_batches: MicroBatches, loss_scale: float, autocast: Autocast = None):
+        """Forward and backward over the step's micro-batches; returns the float64 loss sum."""
+
+    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward only (no gradients): the summed token loss of this rank's rows."""
+
+    def grad_norm(self) -> float:
+        """The global gradient norm over every axis that shards or splits parameters."""
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale the gradients to a global norm of at most `max_norm`; returns the norm before."""
+
+    def step(self) -> None: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def memory(self) -> dict[str, int]:
+        """Model-state bytes held by this rank: params, grads, optimizer, total."""
+
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """(model, optimizer) state for a sharded checkpoint (plait.zero.state's layout-free form)."""
+
+    def checkpoint_loaded(self) -> None:
+        """Called after the state returned by checkpoint_state was loaded in place."""
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter this rank's part holds, whole, on the CPU (collective)."""
+
+    def finish(self) -> None:
+        """Complete any step still in flight (before evaluating or saving)."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ErrorFeedback(Protocol):
+    """An engine whose gradient exchange may keep per-rank error-feedback residuals."""
+
+    def residual_buffers(self) -> dict[str, torch.Tensor] | None:
+        """This rank's residuals by bucket, for checkpoints; None when its exchange keeps none."""
+
+    def set_lr_scale(self, scale: float) -> None:
+        """The learning rate of the coming step over the peak (residuals in units of the step)."""
+
+
+@runtime_checkable
+class ScalesResiduals(Protocol):
+    """A compressor keeping its residual in units of the step (plait.comm.compress)."""
+
+    def set_lr_scale(self, scale: float) -> None: ...
+
+
+@runtime_checkable
+class RecordsTimeline(Protocol):
+    """An engine that can time one step's actions and gather them from every rank."""
+
+    def record_next_step(self) -> None: ...
+
+    def gather_events(self) -> list: ...
+
+
+class AccumulatingEngine:
+    """`forward_backward` and `eval_loss_sum` for engines whose `module(x, y, reduction="sum")`
+    is the whole model on every rank (data parallel, ZeRO): the micro-batches accumulate inside
+    `no_sync()` and the last one's backward synchronises the gradients."""
+
+    module: nn.Module
+
+    def no_sync(self):
+        """Defer gradient synchronisation. By default there is none to defer: engines whose
+        gradients live in shards (ZeRO-3) synchronise every backward."""
+        return contextlib.nullcontext()
+
+    def forward_backward(self, micro_batches: MicroBatches, loss_scale: float, autocast: Autocast = None):
+        total = None
+        for i, (x, y) in enumerate(micro_batches):
+            sync = contextlib.nullcontext() if i == len(micro_batches) - 1 else self.no_sync()
+            with sync:
+                with autocast() if autocast is not None else contextlib.nullcontext():
+                    loss_sum = self.module(x, y, reduction="sum")
+                (loss_sum * loss_scale).backward()
+            part = loss_sum.detach().double()
+            total = part if total is None else total + part
+        return total
+
+    @torch.no_grad()
+    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.module(x, y, reduction="sum")
