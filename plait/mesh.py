@@ -26,6 +26,10 @@ from plait.errors import TopologyError
 
 AXES = ("pp", "dp", "ep", "tp")
 WORLD = "world"  # a pseudo-axis spanning every rank of the mesh
+# Combined axes every Mesh builds once, as real process groups (one collective instead of one per
+# axis): dense gradients with experts on ep (dp x ep), a loss over the pipeline's data-parallel
+# replicas (pp x dp), everything but tensor parallelism (pp x dp x ep).
+DERIVED = (("dp", "ep"), ("pp", "dp"), ("pp", "dp", "ep"))
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -78,6 +82,31 @@ def global_rank_at(sizes: dict[str, int], coords: dict[str, int]) -> int:
     return rank
 
 
+def derived_axis_name(axes) -> str:
+    """The name of the combined axis over `axes`: the axes in mesh order joined by "*" (pp*dp)."""
+    unknown = [a for a in axes if a not in AXES]
+    if unknown or len(set(axes)) != len(axes):
+        raise TopologyError(f"a combined axis takes distinct axes of {', '.join(AXES)}, got {tuple(axes)!r}")
+    return "*".join(a for a in AXES if a in axes)
+
+
+def combined_groups(sizes: dict[str, int], axes) -> list[list[int]]:
+    """The lines of the combined axis over `axes`, as global ranks: the ranks that share every
+    other coordinate, ordered row-major over `axes` (in mesh order)."""
+    axes = tuple(a for a in AXES if a in axes)
+    others = tuple(a for a in AXES if a not in axes)
+    lines = []
+    for c in _product(sizes, others):
+        fixed = dict(zip(others, c, strict=True))
+        lines.append(
+            [
+                global_rank_at(sizes, {**fixed, **dict(zip(axes, d, strict=True))})
+                for d in _product(sizes, axes)
+            ]
+        )
+    return lines
+
+
 def hybrid_dp_groups(sizes: dict[str, int], f: int) -> dict[str, list[list[int]]]:
     """Hybrid sharding's two derived axes, as lists of global ranks: "dp_shard" groups hold `f`
     consecutive dp coordinates (with tp innermost these are the nearest devices, so sharding's
@@ -116,6 +145,10 @@ class Mesh:
             consecutive dp ranks, giving two more axes: "dp_shard" (within a group: parameters
             and optimizer state are sharded here) and "dp_replicate" (across groups, same
             coordinate: shards are replicated here). Must divide dp.
+
+    Combined axes: the mesh also builds, once, process groups over several axes at a time
+    (DERIVED: "dp*ep", "pp*dp", "pp*dp*ep"), usable by name like any axis, so that a quantity
+    reduced over several axes takes one collective (`axis_over(("pp", "dp"))` names it).
     """
 
     def __init__(
@@ -169,6 +202,9 @@ class Mesh:
         self._sub: dict[str, tuple[int, int, list[int], dist.ProcessGroup | None]] = {}
         if dp_shard is not None:
             self._split_dp(dp_shard)
+        self._combined: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        for axes in DERIVED:
+            self._derive(axes)
         self.timeout_s = float(timeout_s)
         self.ledger = Ledger()
         self.recorder = FlightRecorder(rank=self.global_rank)
@@ -204,6 +240,32 @@ class Mesh:
             if size > 1:
                 group, _ = dist.new_subgroups_by_enumeration(groups)
             self._sub[axis] = (size, mine.index(self.global_rank), mine, group)
+
+    def _derive(self, axes: tuple[str, ...]) -> None:
+        """Build the combined axis over `axes` (every rank creates every group, in order). With
+        fewer than two of them larger than 1 it is that axis's group, or none."""
+        name = derived_axis_name(axes)
+        lines = combined_groups(self.sizes, axes)
+        mine = next(line for line in lines if self.global_rank in line)
+        wide = tuple(a for a in AXES if a in axes and self.sizes[a] > 1)
+        if len(wide) < 2:
+            group = self._groups[wide[0]] if wide else None
+        elif wide in self._combined:  # e.g. pp*dp*ep is pp*dp when ep = 1: one group for both
+            group = self._combined[wide]
+        else:
+            group, _ = dist.new_subgroups_by_enumeration(lines)
+            self._combined[wide] = group
+        self._sub[name] = (len(mine), mine.index(self.global_rank), mine, group)
+
+    def axis_over(self, axes) -> str | None:
+        """The one axis that covers every axis of `axes` at once: the axis itself for one, the
+        combined axis for several (built with the mesh: see DERIVED), or None when that
+        combination was not built."""
+        axes = tuple(axes)
+        if len(axes) == 1:
+            return axes[0]
+        name = derived_axis_name(axes)
+        return name if name in self._sub else None
 
     def _check_axis(self, axis: str) -> None:
         if axis not in self.sizes and axis != WORLD and axis not in self._sub:

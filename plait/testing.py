@@ -239,6 +239,17 @@ def assert_close_series(
             )
 
 
+def assert_clipped(after: float, before: float, max_norm: float, rtol: float = 1e-5) -> None:
+    """The gradient norm after clipping to `max_norm` is torch's rule applied to the norm before
+    it: before * min(1, max_norm / (before + 1e-6))."""
+    want = before * min(1.0, max_norm / (before + 1e-6))
+    if not abs(after - want) <= rtol * want:
+        raise AssertionError(
+            f"gradient norm after clipping to {max_norm}: {after!r}, torch's rule gives {want!r} "
+            f"(norm before {before!r})"
+        )
+
+
 def grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
     """The L2 norm over every gradient of `params`, in float64 (None gradients count as zero)."""
     sq = sum(float(p.grad.detach().double().pow(2).sum()) for p in params if p.grad is not None)

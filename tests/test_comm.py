@@ -9,7 +9,7 @@ import torch.distributed as dist
 from plait import comm
 from plait.comm import WATCHDOG_EXIT_CODE, Ledger, bus_bytes
 from plait.errors import TopologyError
-from plait.mesh import Mesh, hybrid_dp_groups
+from plait.mesh import Mesh, combined_groups, derived_axis_name, hybrid_dp_groups
 from plait.testing import RankFailure, run_ranks
 
 
@@ -39,6 +39,17 @@ def _mesh_and_ops():
     assert m.coords == {"pp": rank // 2, "dp": 0, "ep": 0, "tp": rank % 2}
     assert m.group("dp") is None and m.size("ep") == 1 and m.ranks("pp") == [rank % 2, rank % 2 + 2]
     m.close()
+
+    # Combined axes: one group over pp x dp; ep = 1 leaves pp*dp*ep the same group.
+    c = Mesh(pp=2, dp=2, timeout_s=30)
+    assert c.size("pp*dp") == 4 and c.ranks("pp*dp") == [0, 1, 2, 3] and c.rank("pp*dp") == rank
+    assert c.group("pp*dp*ep") is c.group("pp*dp") and c.ranks("dp*ep") == c.ranks("dp")
+    assert c.axis_over(("dp", "pp")) == "pp*dp" and c.axis_over(("dp", "tp")) is None
+    c.ledger.set_step(5)
+    assert comm.all_reduce_scalar(rank + 1, c, ("dp", "pp")) == 10.0
+    rows = c.ledger.rows(5)
+    assert set(rows) == {("all_reduce", "pp*dp")} and rows[("all_reduce", "pp*dp")].count == 1  # one, not 2
+    c.close()
 
     # Hybrid sharding: shard groups are consecutive ranks (one node), replicas stride across
     # them; the process groups are the ones the geometry names.
@@ -117,6 +128,17 @@ def test_hybrid_groups_shard_over_consecutive_dp_ranks():
         assert sorted(r for g in groups for r in g) == list(range(16)), axis
     assert all(max(g) // 8 == min(g) // 8 for g in lines["dp_shard"])  # never across a node of 8
     assert hybrid_dp_groups({"pp": 1, "dp": 4, "ep": 1, "tp": 1}, 4)["dp_replicate"] == [[0], [1], [2], [3]]
+
+
+def test_combined_axes_cover_the_named_axes_and_partition_the_ranks():
+    sizes = {"pp": 2, "dp": 2, "ep": 2, "tp": 2}
+    assert derived_axis_name(("ep", "dp")) == "dp*ep"
+    lines = combined_groups(sizes, ("dp", "ep"))
+    assert lines[0] == [0, 2, 4, 6] and lines[1] == [1, 3, 5, 7] and len(lines) == 4
+    assert sorted(r for line in lines for r in line) == list(range(16))
+    assert combined_groups(sizes, ("pp", "dp", "ep"))[1] == [1, 3, 5, 7, 9, 11, 13, 15]  # all but tp
+    with pytest.raises(TopologyError, match="distinct axes"):
+        derived_axis_name(("dp", "dp"))
 
 
 def test_mesh_needs_a_process_group():

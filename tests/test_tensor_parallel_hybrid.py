@@ -156,9 +156,10 @@ def _check_parity(results, references, k: int) -> None:
         # Each rank's loss is the mean over its own examples: their average is the global loss.
         losses = [sum(r[0][i] for r in per_rank) / k for i in range(STEPS)]
         what = f"hybrid K={k} scheme ({scheme}) {kind}:"
-        assert_close_losses(losses, ref.losses, atol=1e-5, what=what)
-        for rank, (_, params, _, norms) in enumerate(per_rank):
+        for rank, (_, _, _, norms) in enumerate(per_rank):  # norms first: the clearest
             assert_close_grad_norms(norms, ref.grad_norms, rtol=1e-5, what=f"{what} rank {rank}")
+        assert_close_losses(losses, ref.losses, atol=1e-5, what=what)
+        for rank, (_, params, _, _) in enumerate(per_rank):
             assert_close_params(params, ref.params, atol=1e-5, what=f"{what} rank {rank}")
 
 

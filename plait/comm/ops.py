@@ -296,10 +296,12 @@ def barrier(mesh: Mesh, axis: str | None = None) -> None:
 
 
 def all_reduce_scalar(value: float, mesh: Mesh, axes: tuple[str, ...], op: str = "sum") -> float:
-    """All-reduce a Python number over several axes (e.g. a loss sum over dp); float64 on the CPU."""
+    """All-reduce a Python number over several axes (e.g. a loss sum over dp and pp); float64 on
+    the CPU. One collective over the mesh's combined axis where it has one, else one per axis."""
     t = torch.tensor(
         [float(value)], dtype=torch.float64, device=mesh.device if mesh.device.type == "cuda" else "cpu"
     )
-    for axis in axes:
+    combined = mesh.axis_over(axes)
+    for axis in (combined,) if combined is not None else axes:
         all_reduce(t, mesh, axis, op=op)
     return float(t.item())
