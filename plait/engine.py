@@ -127,3 +127,28 @@ class AccumulatingEngine:
     @torch.no_grad()
     def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.module(x, y, reduction="sum")
+
+
+def global_grad_norm(mesh, parts) -> float:
+    """The 2-norm of the whole model's gradient, the one rule every engine uses: float64, each
+    gradient counted once. `parts` pairs lists of gradients with the mesh axes they are split
+    over; their squares are summed over those axes (a gradient replicated over an axis is counted
+    once by not naming it). Parts that share an axis are reduced together: one small all-reduce
+    per axis at most."""
+    from plait import comm
+    from plait.mesh import AXES
+
+    parts = [(list(grads), tuple(axes)) for grads, axes in parts]
+    sq = torch.zeros(len(parts), dtype=torch.float64, device=mesh.device)
+    for i, (grads, _) in enumerate(parts):
+        for g in grads:
+            sq[i] += torch.linalg.vector_norm(g.detach(), dtype=torch.float64).to(sq.device) ** 2
+    named = {a for _, axes in parts for a in axes}
+    for axis in [a for a in (*AXES, *sorted(named - set(AXES))) if a in named]:
+        idx = [i for i, (_, axes) in enumerate(parts) if axis in axes]
+        if len(idx) == len(parts):
+            comm.all_reduce(sq, mesh, axis)
+        else:
+            sel = torch.tensor(idx, device=sq.device)
+            sq[sel] = comm.all_reduce(sq[sel].clone(), mesh, axis)
+    return float(sq.sum().sqrt())

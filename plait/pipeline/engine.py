@@ -213,21 +213,18 @@ class PipelineEngine:
 
     def grad_norm(self) -> float:
         """The global gradient norm over pp and tp (tied and tp-replicated tensors once)."""
+        from plait.engine import global_grad_norm
         from plait.tensor_parallel.layers import SHARD_DIM_ATTR
 
-        sq = torch.zeros(2, dtype=torch.float64, device=self.mesh.device)
+        sharded, replicated = [], []
         for q in self.raw.parameters():
             if q.grad is None:
                 continue
             if self.tied_shape is not None and q is self._tied and not self._tied_counted:
                 continue
-            sharded = self._tp is not None and hasattr(q, SHARD_DIM_ATTR)
-            sq[0 if sharded else 1] += q.grad.detach().double().pow(2).sum()
-        comm.all_reduce(sq, self.mesh, "pp")
-        if self._tp:
-            part = comm.all_reduce(sq[:1].clone(), self.mesh, self._tp)
-            sq[0] = part[0]
-        return float(sq.sum().sqrt())
+            (sharded if self._tp is not None and hasattr(q, SHARD_DIM_ATTR) else replicated).append(q.grad)
+        tp = (self._tp,) if self._tp else ()
+        return global_grad_norm(self.mesh, [(sharded, ("pp", *tp)), (replicated, ("pp",))])
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         norm = self.grad_norm()

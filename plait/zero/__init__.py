@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from plait.engine import AccumulatingEngine, ScalesResiduals
+from plait.engine import AccumulatingEngine, ScalesResiduals, global_grad_norm
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.zero.estimate import activation_bytes, estimate_memory, model_state_bytes_formula
@@ -76,28 +76,17 @@ class Stage0(AccumulatingEngine):
     def grad_norm(self) -> float:
         """The global gradient norm: tp shards summed over tp, replicas counted once."""
         self._sync_tp()
-        grads = [p.grad for p in self.raw.parameters() if p.grad is not None]
+        params = [p for p in self.raw.parameters() if p.grad is not None]
         if not self._tp:
-            return float(torch.nn.utils.get_total_norm(grads))
+            return global_grad_norm(self.mesh, [([p.grad for p in params], ())])
         from plait.tensor_parallel.layers import SHARD_DIM_ATTR
 
-        sharded = [p.grad for p in self.raw.parameters() if p.grad is not None and hasattr(p, SHARD_DIM_ATTR)]
-        replicated = [
-            p.grad for p in self.raw.parameters() if p.grad is not None and not hasattr(p, SHARD_DIM_ATTR)
-        ]
-        sq = torch.zeros(2, dtype=torch.float32, device=self.mesh.device)
-        for i, gs in enumerate((sharded, replicated)):
-            if gs:
-                sq[i] = torch.nn.utils.get_total_norm(gs).float() ** 2
-        from plait import comm
-
-        part = comm.all_reduce(sq[:1].clone(), self.mesh, self._tp)
-        return float((part[0] + sq[1]).sqrt())
+        sharded = [p.grad for p in params if hasattr(p, SHARD_DIM_ATTR)]
+        replicated = [p.grad for p in params if not hasattr(p, SHARD_DIM_ATTR)]
+        return global_grad_norm(self.mesh, [(sharded, (self._tp,)), (replicated, ())])
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the gradients so their global norm is at most `max_norm` (torch's rule)."""
-        if not self._tp:
-            return float(torch.nn.utils.clip_grad_norm_(self.raw.parameters(), max_norm, foreach=True))
         norm = self.grad_norm()
         params = [p for p in self.raw.parameters() if p.grad is not None]
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm), foreach=True)

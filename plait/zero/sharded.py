@@ -133,11 +133,9 @@ class ShardedOptimizer:
 
     def grad_norm(self) -> float:
         """The global 2-norm of the reduced gradient (every shard of every group)."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].grad.device)
-        for g in self.groups:
-            sq += g.grad.float().pow(2).sum()
-        sq = comm.all_reduce(sq.reshape(1), self.mesh, self.shard_axis)
-        return float(sq.sqrt())
+        from plait.engine import global_grad_norm
+
+        return global_grad_norm(self.mesh, [([g.grad for g in self.groups], (self.shard_axis,))])
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the gradient so its global norm is at most `max_norm` (as torch's
