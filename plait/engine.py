@@ -136,15 +136,13 @@ def global_grad_norm(mesh, parts) -> float:
     once by not naming it). Parts that share an axis are reduced together: one small all-reduce
     per axis at most."""
     from plait import comm
-    from plait.mesh import AXES
 
     parts = [(list(grads), tuple(axes)) for grads, axes in parts]
     sq = torch.zeros(len(parts), dtype=torch.float64, device=mesh.device)
     for i, (grads, _) in enumerate(parts):
         for g in grads:
             sq[i] += torch.linalg.vector_norm(g.detach(), dtype=torch.float64).to(sq.device) ** 2
-    named = {a for _, axes in parts for a in axes}
-    for axis in [a for a in (*AXES, *sorted(named - set(AXES))) if a in named]:
+    for axis in sorted({a for _, axes in parts for a in axes}):  # the same order on every rank
         idx = [i for i, (_, axes) in enumerate(parts) if axis in axes]
         if len(idx) == len(parts):
             comm.all_reduce(sq, mesh, axis)
