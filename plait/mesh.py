@@ -29,7 +29,8 @@ WORLD = "world"  # a pseudo-axis spanning every rank of the mesh
 # Combined axes every Mesh builds once, as real process groups (one collective instead of one per
 # axis): dense gradients with experts on ep (dp x ep), a loss over the pipeline's data-parallel
 # replicas (pp x dp), everything but tensor parallelism (pp x dp x ep).
-DERIVED = (("dp", "ep"), ("pp", "dp"), ("pp", "dp", "ep"))
+# ZeRO over a tensor-parallel model saves a tensor split both ways over dp x tp.
+DERIVED = (("dp", "ep"), ("pp", "dp"), ("pp", "dp", "ep"), ("dp", "tp"))
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -108,12 +109,13 @@ def combined_groups(sizes: dict[str, int], axes) -> list[list[int]]:
 
 
 def hybrid_dp_groups(sizes: dict[str, int], f: int) -> dict[str, list[list[int]]]:
-    """Hybrid sharding's two derived axes, as lists of global ranks: "dp_shard" groups hold `f`
+    """Hybrid sharding's derived axes, as lists of global ranks: "dp_shard" groups hold `f`
     consecutive dp coordinates (with tp innermost these are the nearest devices, so sharding's
     all-gathers and reduce-scatters stay within a node), and "dp_replicate" groups hold the ranks
-    with the same position in every shard group (their all-reduce crosses nodes)."""
+    with the same position in every shard group (their all-reduce crosses nodes); "dp_shard*tp"
+    groups are a shard group with its tensor-parallel peers (a tensor split over both axes)."""
     dp = sizes["dp"]
-    lines: dict[str, list[list[int]]] = {"dp_shard": [], "dp_replicate": []}
+    lines: dict[str, list[list[int]]] = {"dp_shard": [], "dp_replicate": [], "dp_shard*tp": []}
     for c in _product(sizes, ("pp", "ep", "tp")):
         o = dict(zip(("pp", "ep", "tp"), c, strict=True))
         for rep in range(dp // f):
@@ -121,6 +123,16 @@ def hybrid_dp_groups(sizes: dict[str, int], f: int) -> dict[str, list[list[int]]
         for i in range(f):
             lines["dp_replicate"].append(
                 [global_rank_at(sizes, {**o, "dp": rep * f + i}) for rep in range(dp // f)]
+            )
+    for c in _product(sizes, ("pp", "ep")):  # a shard group and its tensor-parallel peers
+        o = dict(zip(("pp", "ep"), c, strict=True))
+        for rep in range(dp // f):
+            lines["dp_shard*tp"].append(
+                [
+                    global_rank_at(sizes, {**o, "dp": rep * f + i, "tp": j})
+                    for i in range(f)
+                    for j in range(sizes["tp"])
+                ]
             )
     return lines
 
@@ -229,11 +241,15 @@ class Mesh:
         return [self._global_rank({**self.coords, axis: i}) for i in range(self.sizes[axis])]
 
     def _split_dp(self, f: int) -> None:
-        """Create the dp_shard / dp_replicate groups (every rank creates every group, in order)."""
+        """Create the dp_shard / dp_replicate groups, and dp_shard*tp (a shard group with its
+        tensor-parallel peers), every rank every group, in order."""
         dp = self.sizes["dp"]
         if not isinstance(f, int) or isinstance(f, bool) or f < 1 or dp % f:
             raise TopologyError(f"dp_shard must be a positive divisor of dp={dp}, got {f!r}")
         for axis, groups in hybrid_dp_groups(self.sizes, f).items():
+            if axis == "dp_shard*tp" and self.sizes["tp"] == 1:
+                self._sub[axis] = self._sub["dp_shard"]
+                continue
             size = len(groups[0])
             mine = next(g for g in groups if self.global_rank in g)
             group = None
@@ -266,6 +282,10 @@ class Mesh:
             return axes[0]
         name = derived_axis_name(axes)
         return name if name in self._sub else None
+
+    def has_axis(self, axis: str) -> bool:
+        """Whether `axis` names an axis of this mesh (a base, hybrid or combined one)."""
+        return axis in self.sizes or axis == WORLD or axis in self._sub
 
     def _check_axis(self, axis: str) -> None:
         if axis not in self.sizes and axis != WORLD and axis not in self._sub:

@@ -44,7 +44,11 @@ def _mesh_and_ops():
     c = Mesh(pp=2, dp=2, timeout_s=30)
     assert c.size("pp*dp") == 4 and c.ranks("pp*dp") == [0, 1, 2, 3] and c.rank("pp*dp") == rank
     assert c.group("pp*dp*ep") is c.group("pp*dp") and c.ranks("dp*ep") == c.ranks("dp")
-    assert c.axis_over(("dp", "pp")) == "pp*dp" and c.axis_over(("dp", "tp")) is None
+    assert (
+        c.axis_over(("dp", "pp")) == "pp*dp"
+        and c.axis_over(("dp", "tp")) == "dp*tp"
+        and c.axis_over(("ep", "tp")) is None
+    )
     c.ledger.set_step(5)
     assert comm.all_reduce_scalar(rank + 1, c, ("dp", "pp")) == 10.0
     rows = c.ledger.rows(5)
@@ -124,6 +128,7 @@ def test_hybrid_groups_shard_over_consecutive_dp_ranks():
     lines = hybrid_dp_groups(sizes, 2)
     assert lines["dp_shard"][:4] == [[0, 2], [4, 6], [1, 3], [5, 7]]
     assert lines["dp_replicate"][:4] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert lines["dp_shard*tp"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     for axis, groups in lines.items():
         assert sorted(r for g in groups for r in g) == list(range(16)), axis
     assert all(max(g) // 8 == min(g) // 8 for g in lines["dp_shard"])  # never across a node of 8

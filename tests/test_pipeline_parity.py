@@ -109,14 +109,10 @@ def _pipeline_run(mesh, kind, m, v=None, tp=False, recompute=False):
 
 
 def _whole_grad(p, mesh):
-    """The whole gradient of a tensor-parallel shard: the shard's layout attributes, then gathered."""
-    from plait.tensor_parallel.apply import gather_full
+    """The whole gradient of a tensor-parallel shard, gathered by the parameter's placement."""
+    from plait.placement import gather_full, placement
 
-    g = p.grad.detach().clone()
-    for attr in ("_plait_tp_shard_dim", "_plait_tp_fused", "_plait_tp_full"):
-        if hasattr(p, attr):
-            setattr(g, attr, getattr(p, attr))
-    return gather_full(g, mesh)
+    return gather_full(p.grad, mesh, pl=placement(p))
 
 
 def _all_schedules(p):

@@ -13,6 +13,7 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.placement import placement
 from plait.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -96,7 +97,7 @@ def _rows(mesh, tp):
         _close(f"row parallel_input={parallel_input} dW", row.weight.grad, gp["weight"][:, cols])
         _close(f"row parallel_input={parallel_input} db", row.bias.grad, gp["bias"])
     row = RowParallelLinear.from_linear(dense, mesh, sequence_parallel=True, seq_dim=0)
-    assert sequence_parallel_params(row) == [row.bias] and row.bias._plait_sequence_parallel
+    assert sequence_parallel_params(row) == [row.bias] and placement(row.bias).grad_partial == ("tp",)
     xp = x[..., cols].clone().requires_grad_(True)
     out = row(xp)
     out.backward(gy.chunk(tp, 0)[r])

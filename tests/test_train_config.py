@@ -49,7 +49,11 @@ BAD = [
     (None, ["--model.n_head", "3"], ["d_model = 128", "n_head = 3"]),
     (None, ["--parallel.ep", "2"], ["parallel.ep", "not available yet"]),
     (None, ["--parallel.pp", "2", "--parallel.schedule", "zb"], ["parallel.schedule", "valid: gpipe, 1f1b"]),
-    (None, ["--parallel.tp", "2", "--parallel.zero_stage", "2"], ["ZeRO over a tensor-parallel model"]),
+    (
+        None,
+        ["--parallel.tp", "2", "--parallel.dp", "1", "--optim.name", "lamb"],
+        ["optim.name = 'lamb' with parallel.tp = 2", "trust ratio"],
+    ),
     (None, ["--parallel.sequence_parallel", "true"], ["sequence_parallel needs parallel.tp > 1"]),
     (None, ["--parallel.dp", "0"], ["parallel.dp must be >= 1"]),
     (None, ["--model.name", "gpt5"], ["gpt5", "tiny"]),

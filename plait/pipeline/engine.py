@@ -214,17 +214,16 @@ class PipelineEngine:
     def grad_norm(self) -> float:
         """The global gradient norm over pp and tp (tied and tp-replicated tensors once)."""
         from plait.engine import global_grad_norm
-        from plait.tensor_parallel.layers import SHARD_DIM_ATTR
+        from plait.placement import norm_parts, placement
 
-        sharded, replicated = [], []
-        for q in self.raw.parameters():
-            if q.grad is None:
-                continue
-            if self.tied_shape is not None and q is self._tied and not self._tied_counted:
-                continue
-            (sharded if self._tp is not None and hasattr(q, SHARD_DIM_ATTR) else replicated).append(q.grad)
-        tp = (self._tp,) if self._tp else ()
-        return global_grad_norm(self.mesh, [(sharded, ("pp", *tp)), (replicated, ("pp",))])
+        pairs = [
+            (placement(q), q.grad)
+            for q in self.raw.parameters()
+            if q.grad is not None
+            and not (self.tied_shape is not None and q is self._tied and not self._tied_counted)
+        ]
+        every = [placement(q) for q in self.raw.parameters()]
+        return global_grad_norm(self.mesh, norm_parts(pairs, self.mesh, ("pp",), every))
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         norm = self.grad_norm()

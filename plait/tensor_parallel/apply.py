@@ -19,9 +19,10 @@ A plan maps module names (fnmatch patterns, e.g. ``"blocks.*.mlp.fc"``) to style
 `gpt_plan(sequence_parallel)` is the plan of plait's GPT. Any model built from Linear and
 Embedding layers can be split with a plan of its own, like torch's ``parallelize_module``.
 
-Sharded parameters keep enough metadata (`_plait_tp_shard_dim`, `_plait_tp_fused`,
-`_plait_tp_full`) to be put back together in canonical order (`canonical_chunks`): checkpoints
-save them as chunks of the whole tensor, so DCP can reshard them to another tp degree.
+Every split parameter gets its placement (`plait.placement`: the shard dim, fused blocks and the
+canonical length, or a gradient partial over tp), which is all the rest of plait reads: gradient
+sync, the norm, checkpoints (chunks of the whole canonical tensor, so DCP can reshard them to
+another tp degree) and `gather_full`.
 """
 
 from __future__ import annotations
@@ -37,18 +38,14 @@ from torch import nn
 from plait.comm.autograd import gather_from_parallel
 from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.placement import _fused_order, gather_full, set_grad_partial, update_shard
 from plait.tensor_parallel.layers import (
-    SEQUENCE_PARALLEL_ATTR,
-    SHARD_DIM_ATTR,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
 from plait.tensor_parallel.rng import ParallelRNG, run_on_parallel_stream
-
-FUSED_ATTR = "_plait_tp_fused"  # the sharded dim holds this many blocks, each split over tp
-FULL_ATTR = "_plait_tp_full"  # the canonical (unpadded) length of the sharded dim
 
 
 @dataclasses.dataclass
@@ -91,8 +88,7 @@ class Colwise:
             full_bias=b,
         )
         for p in new.parameters():
-            setattr(p, FUSED_ATTR, self.fused)
-            setattr(p, FULL_ATTR, m.out_features)
+            update_shard(p, ctx.axis, fused=self.fused, full=m.out_features)
         return new
 
 
@@ -106,7 +102,7 @@ class Rowwise:
         new = RowParallelLinear.from_linear(
             m, ctx.mesh, ctx.axis, sequence_parallel=ctx.sequence_parallel, seq_dim=ctx.seq_dim
         )
-        setattr(new.weight, FULL_ATTR, m.in_features)
+        update_shard(new.weight, ctx.axis, full=m.in_features)
         return new
 
 
@@ -117,7 +113,7 @@ class VocabEmbedding:
         new = VocabParallelEmbedding.from_embedding(
             m, ctx.mesh, ctx.axis, sequence_parallel=ctx.sequence_parallel, seq_dim=ctx.seq_dim
         )
-        setattr(new.weight, FULL_ATTR, m.num_embeddings)
+        update_shard(new.weight, ctx.axis, full=m.num_embeddings)
         return new
 
 
@@ -151,7 +147,7 @@ class VocabHead:
                 raise ConfigError(f"{name}: tie={self.tie!r} must name a module split with VocabEmbedding()")
             new.weight = tied.weight
         else:
-            setattr(new.weight, FULL_ATTR, vocab)
+            update_shard(new.weight, ctx.axis, full=vocab)
         model = ctx.model
         model.loss_fn = functools.partial(_tp_loss, mesh=ctx.mesh, axis=ctx.axis, vocab=vocab)
         model.output_fn = functools.partial(_tp_logits, mesh=ctx.mesh, axis=ctx.axis, vocab=vocab)
@@ -175,7 +171,7 @@ class SequenceSharded:
     def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
         if ctx.sequence_parallel:
             for p in m.parameters():
-                setattr(p, SEQUENCE_PARALLEL_ATTR, True)
+                set_grad_partial(p, ctx.axis)
             if isinstance(m, nn.Dropout):
                 run_on_parallel_stream(m, ctx.rng)
         return m
@@ -188,7 +184,7 @@ class PositionShard(nn.Module):
     def __init__(self, emb: nn.Embedding, mesh: Mesh, axis: str):
         super().__init__()
         self.weight = emb.weight
-        setattr(self.weight, SEQUENCE_PARALLEL_ATTR, True)
+        set_grad_partial(self.weight, axis)
         self.mesh, self.axis = mesh, axis
 
     sequence_parallel = True
@@ -213,12 +209,6 @@ class PositionSharded:
 def _expect(name: str, m: nn.Module, kind: type, style) -> None:
     if not isinstance(m, kind):
         raise ConfigError(f"plan: {name} is a {type(m).__name__}, but {style} expects an nn.{kind.__name__}")
-
-
-def _fused_order(out: int, fused: int, t: int) -> torch.Tensor:
-    """Row order putting each rank's slice of every block together."""
-    block, per = out // fused, out // fused // t
-    return torch.tensor([j * block + r * per + i for r in range(t) for j in range(fused) for i in range(per)])
 
 
 def _tp_loss(logits, targets, reduction="mean", *, mesh, axis, vocab):
@@ -304,54 +294,6 @@ def without_sequence_parallel(model: nn.Module):
     finally:
         for m in switched:
             m.sequence_parallel = True
-
-
-def canonical_chunks(p: torch.Tensor, mesh: Mesh, axis: str = "tp") -> tuple[torch.Size, list]:
-    """Where this rank's shard `p` sits in the whole (canonical, unpadded) tensor.
-
-    Returns (full shape, [(offsets, local view), ...]); a replicated tensor is one chunk at 0."""
-    dim = getattr(p, SHARD_DIM_ATTR, None)
-    if dim is None or mesh.size(axis) == 1:
-        return p.shape, [((0,) * p.dim(), p)]
-    t, r = mesh.size(axis), mesh.rank(axis)
-    fused = getattr(p, FUSED_ATTR, 1)
-    full = getattr(p, FULL_ATTR, p.shape[dim] * t)
-    local = p.shape[dim]
-    per = local // fused  # rows of each block on this rank
-    shape = list(p.shape)
-    shape[dim] = full
-    chunks = []
-    for j in range(fused):
-        start = j * (full // fused) + r * per
-        length = min(per, max(0, (j + 1) * (full // fused) - start)) if fused > 1 else min(per, full - start)
-        if length <= 0:
-            continue
-        offsets = [0] * p.dim()
-        offsets[dim] = start
-        chunks.append((tuple(offsets), p.narrow(dim, j * per, length)))
-    return torch.Size(shape), chunks
-
-
-@torch.no_grad()
-def gather_full(p: torch.Tensor, mesh: Mesh, axis: str = "tp") -> torch.Tensor:
-    """The whole canonical tensor of shard `p` (collective over `axis`), on the CPU."""
-    from plait import comm
-
-    shape, _ = canonical_chunks(p, mesh, axis)
-    if getattr(p, SHARD_DIM_ATTR, None) is None or mesh.size(axis) == 1:
-        return p.detach().cpu().clone()
-    t = mesh.size(axis)
-    dim = getattr(p, SHARD_DIM_ATTR)
-    moved = p.detach().movedim(dim, 0).contiguous()
-    out = torch.empty((t * moved.shape[0], *moved.shape[1:]), dtype=p.dtype, device=p.device)
-    comm.all_gather(out, moved, mesh, axis)
-    # the gathered rows, rank-major, of each rank's fused blocks -> canonical order; drop padding
-    fused = getattr(p, FUSED_ATTR, 1)
-    if fused > 1:
-        inverse = torch.argsort(_fused_order(out.shape[0], fused, t))
-        out = out[inverse]
-    out = out[: shape[dim]]
-    return out.movedim(0, dim).cpu().clone()
 
 
 def tp_named_parameters(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -22,11 +22,11 @@ that fall in its range, writes zeros for the others, and `g` sums the result.
 
 **Replicated parameters under sequence parallelism.** A parameter that is replicated over tp but
 applied to a sequence shard (the row-parallel bias here, LayerNorm weights in a model) receives
-only a partial gradient on each rank. Such parameters carry the attribute
-``p._plait_sequence_parallel = True``; the trainer must sum their gradients over tp, which
-`allreduce_sequence_parallel_grads` does. Sharded parameters carry ``p._plait_tp_shard_dim``
-(the dim of the full tensor they are a slice of), so a global gradient norm can tell shards,
-which are summed over tp, from replicas, which are counted once.
+only a partial gradient on each rank. Their placement (`plait.placement`) says so
+(``grad_partial`` over tp): the engines sum their gradients over tp with the batch axes (or
+`allreduce_sequence_parallel_grads` does it by hand). Sharded parameters' placements record the
+dim of the full tensor they are a slice of, so a global gradient norm can tell shards, which are
+summed over tp, from replicas, which are counted once.
 
 **Initialisation.** Without ``full_weight`` a layer draws the full-size weight exactly as
 ``nn.Linear`` / ``nn.Embedding`` would (same RNG calls, same device) and keeps its slice, so a
@@ -54,6 +54,7 @@ from plait.comm.autograd import (
     scatter_to_parallel,
 )
 from plait.errors import ConfigError
+from plait.placement import Shard, placement, set_grad_partial, set_shard
 
 if TYPE_CHECKING:
     from plait.mesh import Mesh
@@ -67,9 +68,6 @@ __all__ = [
     "sequence_parallel_params",
     "shard_range",
 ]
-
-SEQUENCE_PARALLEL_ATTR = "_plait_sequence_parallel"
-SHARD_DIM_ATTR = "_plait_tp_shard_dim"
 
 
 def pad_to_multiple(n: int, k: int) -> int:
@@ -118,10 +116,10 @@ def _check_full(cls: str, name: str, tensor: Tensor | None, shape: tuple[int, ..
         raise ConfigError(f"{cls}: {name} has shape {tuple(tensor.shape)}, expected {shape}")
 
 
-def _param(t: Tensor, device, dtype, shard_dim: int | None = None) -> nn.Parameter:
+def _param(t: Tensor, device, dtype, shard_dim: int | None = None, axis: str = "tp") -> nn.Parameter:
     p = nn.Parameter(t.detach().to(device=device, dtype=dtype).clone(memory_format=torch.contiguous_format))
     if shard_dim is not None:
-        setattr(p, SHARD_DIM_ATTR, shard_dim)
+        set_shard(p, axis, Shard(shard_dim))
     return p
 
 
@@ -170,10 +168,10 @@ class ColumnParallelLinear(nn.Module):
         rows = slice(mesh.rank(axis) * per, (mesh.rank(axis) + 1) * per)
         dtype = full_weight.dtype if dtype is None else dtype
         device = full_weight.device if device is None else device
-        self.weight = _param(full_weight[rows], device, dtype, shard_dim=0)
+        self.weight = _param(full_weight[rows], device, dtype, shard_dim=0, axis=axis)
         if bias:
             b = full_bias[rows] if full_bias is not None else torch.zeros(per, device=device, dtype=dtype)
-            self.bias = _param(b, device, dtype, shard_dim=0)
+            self.bias = _param(b, device, dtype, shard_dim=0, axis=axis)
         else:
             self.register_parameter("bias", None)
 
@@ -222,7 +220,7 @@ class RowParallelLinear(nn.Module):
     and adds the bias after the reduction, so it is added once.
 
     With ``sequence_parallel`` the bias sees only this rank's sequence slice, so its gradient is
-    partial: it is marked ``_plait_sequence_parallel`` (see `allreduce_sequence_parallel_grads`).
+    partial over `axis`: its placement says so (see `plait.placement`).
     """
 
     def __init__(
@@ -261,12 +259,12 @@ class RowParallelLinear(nn.Module):
         cols = slice(mesh.rank(axis) * per, (mesh.rank(axis) + 1) * per)
         dtype = full_weight.dtype if dtype is None else dtype
         device = full_weight.device if device is None else device
-        self.weight = _param(full_weight[:, cols], device, dtype, shard_dim=1)
+        self.weight = _param(full_weight[:, cols], device, dtype, shard_dim=1, axis=axis)
         if bias:
             b = full_bias if full_bias is not None else torch.zeros(out_features, device=device, dtype=dtype)
             self.bias = _param(b, device, dtype)
             if sequence_parallel:
-                setattr(self.bias, SEQUENCE_PARALLEL_ATTR, True)
+                set_grad_partial(self.bias, axis)
         else:
             self.register_parameter("bias", None)
 
@@ -362,7 +360,7 @@ class VocabParallelEmbedding(nn.Module):
         shard = torch.zeros(self.vocab_per_rank, embedding_dim, device=device, dtype=dtype)
         if real_end > self.vocab_start:
             shard[: real_end - self.vocab_start] = full_weight[self.vocab_start : real_end].detach()
-        self.weight = _param(shard, device, dtype, shard_dim=0)
+        self.weight = _param(shard, device, dtype, shard_dim=0, axis=axis)
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, mesh: Mesh, axis: str = "tp", **kw) -> VocabParallelEmbedding:
@@ -398,11 +396,11 @@ class VocabParallelEmbedding(nn.Module):
         )
 
 
-def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters of `module` marked ``_plait_sequence_parallel``: replicated over tp but
-    applied to a sequence slice, so their gradients must be summed over tp (Korthikanti et al.
-    2022, §4.2.2). Each parameter once, in `module.parameters()` order."""
-    return [p for p in module.parameters() if getattr(p, SEQUENCE_PARALLEL_ATTR, False)]
+def sequence_parallel_params(module: nn.Module, axis: str = "tp") -> list[nn.Parameter]:
+    """The parameters of `module` whose gradient is partial over `axis` (their placement):
+    replicated over tp but applied to a sequence slice, so their gradients must be summed over tp
+    (Korthikanti et al. 2022, §4.2.2). Each parameter once, in `module.parameters()` order."""
+    return [p for p in module.parameters() if axis in placement(p).grad_partial]
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, mesh: Mesh, axis: str = "tp") -> None:
@@ -413,7 +411,7 @@ def allreduce_sequence_parallel_grads(module: nn.Module, mesh: Mesh, axis: str =
     if mesh.size(axis) == 1:
         return
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for p in sequence_parallel_params(module):
+    for p in sequence_parallel_params(module, axis):
         if p.grad is not None:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():

@@ -397,9 +397,10 @@ def validate(cfg: Config) -> None:
         "parallel.sequence_parallel needs parallel.tp > 1 (it splits tensor-parallel regions' neighbours)",
     )
     _require(
-        p.tp == 1 or p.zero_stage == 0,
-        f"parallel.tp = {p.tp} with parallel.zero_stage = {p.zero_stage}: ZeRO over a tensor-parallel "
-        "model is not available yet; use zero_stage = 0 (data parallel over dp) with tp",
+        p.tp == 1 or cfg.optim.name not in ("lamb", "lars"),
+        f"optim.name = {cfg.optim.name!r} with parallel.tp = {p.tp} is not available: its per-layer trust "
+        "ratio needs the norm of each whole layer, and tensor-parallel layers are split over tp; use "
+        "optim.name = 'adamw' or 'sgd' with tp",
     )
     _require(
         p.tp == 1 or cfg.model.dropout == 0 or not cfg.train.activation_checkpointing,

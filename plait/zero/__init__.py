@@ -16,6 +16,7 @@ from torch import nn
 from plait.engine import AccumulatingEngine, ScalesResiduals, global_grad_norm
 from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.placement import norm_parts, placement
 from plait.zero.estimate import activation_bytes, estimate_memory, model_state_bytes_formula
 from plait.zero.flat import FlatLayout, Segment, storage_bytes
 from plait.zero.offload_disk import DiskStateOptimizer, OffloadError
@@ -74,16 +75,12 @@ class Stage0(AccumulatingEngine):
             self._synced = True
 
     def grad_norm(self) -> float:
-        """The global gradient norm: tp shards summed over tp, replicas counted once."""
+        """The global gradient norm: shards (by their placements) summed over their axes,
+        replicas counted once."""
         self._sync_tp()
-        params = [p for p in self.raw.parameters() if p.grad is not None]
-        if not self._tp:
-            return global_grad_norm(self.mesh, [([p.grad for p in params], ())])
-        from plait.tensor_parallel.layers import SHARD_DIM_ATTR
-
-        sharded = [p.grad for p in params if hasattr(p, SHARD_DIM_ATTR)]
-        replicated = [p.grad for p in params if not hasattr(p, SHARD_DIM_ATTR)]
-        return global_grad_norm(self.mesh, [(sharded, (self._tp,)), (replicated, ())])
+        pairs = [(placement(p), p.grad) for p in self.raw.parameters() if p.grad is not None]
+        every = [placement(p) for p in self.raw.parameters()]
+        return global_grad_norm(self.mesh, norm_parts(pairs, self.mesh, (), every))
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the gradients so their global norm is at most `max_norm` (torch's rule)."""

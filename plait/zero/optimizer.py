@@ -14,7 +14,9 @@ step, as plain data parallelism.
   only the 1/N gradient shard stays (gradient memory Ψ/N).
 
 Hybrid sharding: shards span `dp_shard` (a group of F ranks) and the reduced shards are then
-all-reduced across `dp_replicate`. Mixed precision: parameters and gradients in the compute
+all-reduced across `dp_replicate`. Tensor parallelism: parameters whose gradient is partial over
+tp (their placement: LayerNorms under sequence parallelism) get buckets of their own, whose
+reduced shards are also summed over tp. Mixed precision: parameters and gradients in the compute
 dtype (bf16), fp32 master shards and optimizer state.
 """
 
@@ -29,16 +31,18 @@ from plait import comm
 from plait.engine import ScalesResiduals
 from plait.errors import ConfigError, DataParallelError
 from plait.mesh import Mesh
+from plait.placement import placement
 from plait.zero.engine import ShardedEngine
 from plait.zero.flat import FlatLayout, storage_bytes
 from plait.zero.sharded import OptimizerFactory, ShardedOptimizer, ShardGroup
 
 
 class _Bucket:
-    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], n: int, dtype):
+    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], n: int, dtype, sums=()):
         self.index = index
         self.params = params
         self.names = names
+        self.sums = sums  # model axes its gradients are partial over (placements): summed there
         self.layout = FlatLayout(names, [p.shape for p in params], n)
         device = params[0].device
         self.flat = self.layout.flatten([p.detach() for p in params], dtype=dtype, device=device)
@@ -155,13 +159,20 @@ class ZeroOptimizer(ShardedEngine):
         chunks, current, size = [], [], 0
         for p in reversed(params):  # reverse registration order ~ the order gradients are ready
             nbytes = p.numel() * torch.finfo(dtype).bits // 8
-            if current and size + nbytes > capacity:
+            if current and (size + nbytes > capacity or self._sums(p) != self._sums(current[0])):
                 chunks.append(current)
                 current, size = [], 0
             current.append(p)
             size += nbytes
         chunks.append(current)
-        return [_Bucket(i, ps, [names[id(p)] for p in ps], self.n, dtype) for i, ps in enumerate(chunks)]
+        return [
+            _Bucket(i, ps, [names[id(p)] for p in ps], self.n, dtype, self._sums(ps[0]))
+            for i, ps in enumerate(chunks)
+        ]
+
+    def _sums(self, p: nn.Parameter) -> tuple[str, ...]:
+        """The model axes (of size > 1) over which `p`'s gradient is partial (its placement)."""
+        return tuple(a for a in placement(p).grad_partial if self.mesh.size(a) > 1)
 
     @torch.no_grad()
     def _broadcast(self) -> None:
@@ -230,8 +241,8 @@ class ZeroOptimizer(ShardedEngine):
         self._launch_ready()
         for b, g in zip(self.buckets, self.shards.groups, strict=True):
             b.handle.wait()
-            if self.replicate_axis:
-                comm.all_reduce(b.out, self.mesh, self.replicate_axis)
+            for axis in ((self.replicate_axis,) if self.replicate_axis else ()) + b.sums:
+                comm.all_reduce(b.out, self.mesh, axis)
             if self.stage == 2:
                 g.grad.add_(b.out)
                 b.grad_buf = None

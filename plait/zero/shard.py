@@ -17,7 +17,9 @@ master copy) between uses. Around each use of a unit:
 
 Per step: all-gather Ψ (forward) + all-gather Ψ (backward) + reduce-scatter Ψ = 3Ψ.
 Hybrid sharding shards within `dp_shard` and all-reduces the gradient shards across
-`dp_replicate`. The optimizer side (master shards, step, offload) is `ShardedOptimizer`.
+`dp_replicate`. Under tensor parallelism the parts of a shard whose parameters' gradients are
+partial over tp (placements: sequence-parallel LayerNorms) are summed over tp, one all-reduce per
+unit. The optimizer side (master shards, step, offload) is `ShardedOptimizer`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from plait import comm
 from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.placement import placement
 from plait.zero.engine import ShardedEngine
 from plait.zero.flat import FlatLayout, alloc_storage, free_storage, storage_bytes
 from plait.zero.sharded import OptimizerFactory, ShardedOptimizer, ShardGroup
@@ -68,6 +71,13 @@ class _Unit:
         lo, hi = self.layout.shard_range(engine.rank)
         master = full[lo:hi].to(device=engine.host, copy=True)
         self.group = ShardGroup(self.layout, engine.rank, master, engine.compute_dtype, device=dev)
+        # this rank's gradient runs whose parameters' gradients are partial over model axes
+        # (their placements: sequence-parallel LayerNorms over tp), by those axes
+        self.sums: dict[tuple[str, ...], list[tuple[int, int]]] = {}
+        for seg in self.group.segments:
+            axes = tuple(a for a in placement(self.params[seg.index]).grad_partial if engine.mesh.size(a) > 1)
+            if axes and seg.length:
+                self.sums.setdefault(axes, []).append((seg.shard_offset, seg.length))
         # the compute-dtype shard that is gathered (the master itself in fp32 on the device)
         self.shard = master if not engine.master_is_separate else full[lo:hi].to(engine.compute_dtype)
         del full
@@ -154,8 +164,17 @@ class _Unit:
         handle, out, _ = self.rs
         handle.wait()
         self.rs = None
+        mesh = self.engine.mesh
         if self.engine.replicate_axis:
-            comm.all_reduce(out, self.engine.mesh, self.engine.replicate_axis)
+            comm.all_reduce(out, mesh, self.engine.replicate_axis)
+        for axes, runs in self.sums.items():
+            part = torch.cat([out[o : o + k] for o, k in runs])
+            for axis in axes:
+                comm.all_reduce(part, mesh, axis)
+            offset = 0
+            for o, k in runs:
+                out[o : o + k].copy_(part[offset : offset + k])
+                offset += k
         self.group.grad.add_(out)
 
 

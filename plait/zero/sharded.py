@@ -25,6 +25,7 @@ import torch
 from plait import comm
 from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.placement import REPLICATED, gather_full, norm_parts, placement
 from plait.zero.flat import FlatLayout, storage_bytes
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
@@ -90,6 +91,9 @@ class ShardedOptimizer:
         self.groups = groups
         self.mesh = mesh
         self.shard_axis = shard_axis
+        # each parameter's placement on the model axes (tensor parallelism): read by the norm,
+        # full_parameters and checkpoints
+        self.placements = [[placement(p) for p in ps] for ps in params]
         self.on_updated = on_updated
         self.offload = offload
         self.delayed_update = delayed_update
@@ -132,10 +136,34 @@ class ShardedOptimizer:
     # --- gradients --------------------------------------------------------------------------
 
     def grad_norm(self) -> float:
-        """The global 2-norm of the reduced gradient (every shard of every group)."""
+        """The global 2-norm of the reduced gradient: every shard of every group, each segment
+        also summed over the model axes its parameter is split on (its placement)."""
         from plait.engine import global_grad_norm
 
-        return global_grad_norm(self.mesh, [([g.grad for g in self.groups], (self.shard_axis,))])
+        pairs = []
+        for g, placements in zip(self.groups, self.placements, strict=True):
+            if not any(pl.sharded for pl in placements):  # the whole shard at once
+                pairs.append((REPLICATED, g.grad))
+                continue
+            for seg in g.segments:
+                if seg.length:
+                    part = g.grad[seg.shard_offset : seg.shard_offset + seg.length]
+                    pairs.append((placements[seg.index], part))
+        every = [pl for ps in self.placements for pl in ps]
+        return global_grad_norm(self.mesh, norm_parts(pairs, self.mesh, (self.shard_axis,), every))
+
+    def model_axis_over(self, axis: str) -> str | None:
+        """The combined axis of the shard axis and model axis `axis` (a tensor split both ways
+        lives on it), or None when `axis` has size 1."""
+        if self.mesh.size(axis) == 1:
+            return None
+        if self.shard_axis == "dp_shard":
+            name = f"dp_shard*{axis}"
+        else:
+            name = self.mesh.axis_over((self.shard_axis, axis))
+        if name is None or not self.mesh.has_axis(name):
+            raise ConfigError(f"the mesh has no combined axis over {self.shard_axis} and {axis}")
+        return name
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the gradient so its global norm is at most `max_norm` (as torch's
@@ -230,14 +258,15 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, from the fp32 master shards (an all-gather per group; every
-        rank of the shard axis must call it). Keyed by the names given to the layouts."""
+        """Every parameter, whole, from the fp32 master shards (an all-gather per group, then
+        over tp for tensor-parallel shards; every rank of those axes must call it). Keyed by the
+        names given to the layouts."""
         out = {}
-        for g in self.groups:
+        for g, placements in zip(self.groups, self.placements, strict=True):
             full = torch.empty(g.layout.padded, dtype=torch.float32, device=self.compute_device)
             comm.all_gather(full, g.master.to(self.compute_device), self.mesh, self.shard_axis)
-            for name, v in zip(g.layout.names, g.layout.views(full), strict=True):
-                out[name] = v.cpu()
+            for name, v, pl in zip(g.layout.names, g.layout.views(full), placements, strict=True):
+                out[name] = gather_full(v, self.mesh, "tp", pl) if pl.shard("tp") else v.cpu()
         return out
 
     # --- accounting -------------------------------------------------------------------------

@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from plait.errors import CheckpointError
-from plait.tensor_parallel.apply import canonical_chunks
-from plait.tensor_parallel.layers import SHARD_DIM_ATTR
+from plait.placement import canonical_chunks, chunk_map, global_boxes, placement
 from plait.zero.sharded import ShardedOptimizer
 
 
@@ -140,23 +139,38 @@ class ShardedState:
         return [s.optimizer.state[p] for g in s.groups for p in g.seg_params]
 
     def state(self) -> tuple[dict, dict]:
-        """(model, optim) dicts of ShardedTensor chunks and scalar tensors."""
+        """(model, optim) dicts of ShardedTensor chunks and scalar tensors. A parameter that is
+        also split over tp (its placement) is saved as boxes of the whole canonical tensor, over
+        the group of its shard axis and tp; a replicated one over the shard axis alone (tp
+        peers then write the same boxes, which DCP keeps once)."""
         s = self.shards
-        group = s.mesh.group(s.shard_axis)
+        mesh = s.mesh
+        tp_axis = s.model_axis_over("tp")
         model, optim = {}, {}
         states = iter(self._opt_states())
-        for g in s.groups:
+        for g, placements in zip(s.groups, s.placements, strict=True):
             for seg, p in zip(g.segments, g.seg_params, strict=True):
-                shape = saved_shape(g.layout.shapes[seg.index])
-                model[seg.name] = _sharded(range_boxes(p, seg.start, shape), shape, group)
+                pl = placements[seg.index]
+                local = saved_shape(g.layout.shapes[seg.index])
+                split = tp_axis is not None and pl.shard("tp") is not None
+                if split:
+                    whole, _ = chunk_map(pl, g.layout.shapes[seg.index], mesh, "tp")
+                    shape, group = saved_shape(whole), mesh.group(tp_axis)
+                else:
+                    shape, group = local, mesh.group(s.shard_axis)
+
+                def boxes(flat, seg=seg, pl=pl, local=local, split=split):
+                    out = range_boxes(flat, seg.start, local)
+                    return global_boxes(pl, local, out, mesh, "tp") if split else out
+
+                model[seg.name] = _sharded(boxes(p), shape, group)
                 for key, v in next(states).items():
                     if not torch.is_tensor(v):
                         continue
                     if v.dim() == 0:
                         optim[f"{seg.name}.{key}"] = v
                     elif v.numel() == seg.length:
-                        boxes = range_boxes(v.view(-1), seg.start, shape)
-                        optim[f"{seg.name}.{key}"] = _sharded(boxes, shape, group)
+                        optim[f"{seg.name}.{key}"] = _sharded(boxes(v.view(-1)), shape, group)
         return model, optim
 
     def loaded(self) -> None:
@@ -179,13 +193,11 @@ def plain_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
     tp = getattr(model, "_plait_tp", None)
 
     def entry(p, t):
-        if tp is not None and getattr(p, SHARD_DIM_ATTR, None) is not None:
+        if tp is not None and placement(p).shard(tp[1]) is not None:
             mesh, axis, _ = tp
-            shape, chunks = canonical_chunks(p, mesh, axis)
+            shape, chunks = canonical_chunks(t.detach(), mesh, axis, pl=placement(p))
             if len(shape) > 2:
                 raise CheckpointError(f"tensor-parallel shards of {len(shape)}-D tensors are not saved yet")
-            if t is not p:  # an optimizer state shaped like p: the same chunks of it
-                chunks = [(off, t.narrow(*_narrowing(p, v))) for off, v in chunks]
             return _sharded(chunks, shape, mesh.group(axis))
         return t.detach().view(saved_shape(t.shape))
 
@@ -196,11 +208,3 @@ def plain_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
             if torch.is_tensor(v):
                 optim_sd[f"{names[id(p)]}.{key}"] = v if v.dim() == 0 else entry(p, v)
     return model_sd, optim_sd
-
-
-def _narrowing(p: torch.Tensor, view: torch.Tensor) -> tuple[int, int, int]:
-    """(dim, start, length) of `view`, a narrowing of `p` along its shard dim."""
-    dim = getattr(p, SHARD_DIM_ATTR)
-    stride = p.stride(dim)
-    start = (view.storage_offset() - p.storage_offset()) // stride
-    return dim, start, view.shape[dim]
