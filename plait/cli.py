@@ -1,6 +1,7 @@
 """The `plait` command.
 
 plait train [CONFIG] [--section.key value ...] [--resume RUN_DIR]
+plait export RUN_DIR [--out model.safetensors] [--step N] [--dtype fp32|bf16]
 plait estimate (--params N | --model NAME) [--dp N] [--zero-stage S] ... [--json]
 plait schedule --kind KIND --stages P --microbatches M [--virtual-stages V] [--costs F,B,W] [--comm C]
                [--out timeline.png] [--json]
@@ -21,6 +22,7 @@ USAGE = """plait train [CONFIG.toml] [--section.key value ...] [--resume RUN_DIR
 Train a GPT on the configured mesh. CONFIG defaults to plait's built-in defaults; every key can
 be overridden on the command line, e.g. `plait train configs/default.toml --train.steps 50`.
 --resume RUN_DIR continues the run in RUN_DIR from its latest checkpoint, with its config.
+`plait export RUN_DIR` writes a run's model as one safetensors file (plait export --help).
 Keys:
 """
 
@@ -157,6 +159,34 @@ def _estimate(argv: list[str]) -> int:
     return 0
 
 
+def _export(argv: list[str]) -> int:
+    from plait.models import GPTConfig
+    from plait.train.export import DTYPES, META_CONFIG, export, exported_metadata
+
+    parser = _Parser(
+        prog="plait export",
+        description="Write the model of a run's checkpoint as one consolidated safetensors file that a "
+        "plain one-process GPT loads with load_state_dict(strict=True), whatever layout trained it; "
+        "the header holds the model config (plait.train.export.load_exported rebuilds the model).",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (config.toml, checkpoints/)")
+    parser.add_argument("--out", help="the file to write (default RUN_DIR/model.safetensors)")
+    parser.add_argument("--step", type=int, help="export this step's checkpoint (default: the latest)")
+    parser.add_argument(
+        "--dtype", default="fp32", help=f"{' or '.join(DTYPES)}: the tensors' dtype (default fp32)"
+    )
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help: printed, nothing else to do
+        return int(exc.code or 0)
+    out = export(args.run_dir, args.out, step=args.step, dtype=args.dtype)
+    meta = exported_metadata(out)
+    n = GPTConfig(**json.loads(meta[META_CONFIG])).n_params()
+    step = meta["plait.step"]
+    print(f"plait: exported step {step} of {args.run_dir} ({n:,} parameters, {args.dtype}) to {out}")
+    return 0
+
+
 def _schedule(argv: list[str]) -> int:
     from plait.pipeline.check import check_schedule
     from plait.pipeline.render import render_png, render_text
@@ -236,7 +266,7 @@ def _schedule(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "estimate": _estimate, "schedule": _schedule}
+COMMANDS = {"train": _train, "export": _export, "estimate": _estimate, "schedule": _schedule}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "command",
         choices=list(COMMANDS),
-        help="train: run training; estimate: per-device memory of ZeRO (plait estimate --help); "
+        help="train: run training; export: a run's model as one safetensors file (plait export --help); "
+        "estimate: per-device memory of ZeRO (plait estimate --help); "
         "schedule: simulate a pipeline schedule (plait schedule --help)",
     )
     if not argv or argv[0] in ("-h", "--help"):

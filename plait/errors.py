@@ -31,3 +31,7 @@ class ScheduleError(PlaitError):
 
 class PipelineError(PlaitError):
     """A model that cannot be split into the pipeline stages asked for, or misuse of the runtime."""
+
+
+class ExportError(PlaitError):
+    """An exported model file that cannot be written or read back."""

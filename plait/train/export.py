@@ -1,0 +1,276 @@
+"""`plait export`: one consolidated model file from a run's checkpoint, for use without plait's trainer.
+
+    plait export runs/20261202-130629 --out model.safetensors [--step N] [--dtype fp32|bf16]
+
+Checkpoints are already layout-free (`plait.zero.state`): every parameter is saved under its
+canonical name as (boxes of) the whole tensor, in its `saved_shape`, whatever dp degree, ZeRO
+stage or tp degree wrote it. Consolidating is therefore a read, in this one process with no
+process group (`dcp.load(..., no_dist=True)`), of the checkpoint's model part into whole tensors,
+reshaped to the parameter shapes of the model the run's `config.toml` describes. The checkpoint's
+manifest is verified first, as on resume.
+
+The file is a safetensors state dict with exactly the keys of `GPT(cfg).state_dict()`, so a plain
+one-process model loads it with `load_state_dict(..., strict=True)`. Tied parameters (GPT's
+`wte.weight` and `lm_head.weight`, tied by default) are one tensor in the model and one entry in
+the checkpoint; safetensors refuses tensors that share memory, so the file holds each name of a
+tie as its own copy of the same values (a tied GPT costs vocab x d_model extra elements on disk),
+and loading writes both copies into the one shared parameter. The header's metadata records the
+model config (`plait.model_config`, JSON of `GPTConfig`), the ties (`plait.tied`), the step, the
+source checkpoint and the run's config.toml, so `load_exported` can rebuild the model alone.
+The file is written to a temporary name beside `out` and renamed: a failed export leaves no
+partial file and an earlier file of that name intact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import warnings
+from pathlib import Path
+
+import torch
+
+from plait.errors import CheckpointError, ConfigError, ExportError
+from plait.train.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+META_CONFIG = "plait.model_config"
+META_TIED = "plait.tied"
+
+
+def run_model_config(run_dir: str | Path):
+    """The GPTConfig of the run in `run_dir`, from the [model] section of its config.toml.
+
+    Only that section is read: the rest of the run's config (its corpus file, offload path,
+    devices) need not exist where the export runs."""
+    from plait.train.config import Config, _apply, model_config
+
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} has no config.toml: is it a plait run directory?")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: unreadable ({exc})") from None
+    model = data.get("model", {})
+    if not isinstance(model, dict):
+        raise ConfigError(f"{path}: [model] must be a section")
+    cfg = Config()
+    for key, value in model.items():
+        _apply(cfg, "model", key, value, from_cli=False)
+    return model_config(cfg)
+
+
+def completed_steps(root: Path) -> list[int]:
+    """The steps of the complete checkpoints (with a manifest) under `root`, in order."""
+    steps = []
+    for p in root.glob("step_*"):
+        if p.is_dir() and not p.name.endswith(".tmp") and (p / MANIFEST).exists():
+            try:
+                steps.append(int(p.name.removeprefix("step_")))
+            except ValueError:
+                continue
+    return sorted(steps)
+
+
+def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
+    """The checkpoint directory of `step` in the run, or the latest one."""
+    root = Path(run_dir) / "checkpoints"
+    steps = completed_steps(root) if root.is_dir() else []
+    if step is None:
+        path = latest_checkpoint(root) if root.is_dir() else None
+        if path is None:
+            if steps:  # `latest` lost, complete checkpoints left: do not guess which is wanted
+                raise CheckpointError(
+                    f"{root} has no 'latest' pointer; choose a checkpoint with --step "
+                    f"({', '.join(map(str, steps))})"
+                )
+            raise CheckpointError(f"{root} holds no checkpoint to export: the run saved none yet")
+        return path
+    if step < 0:
+        raise ConfigError(f"--step must be >= 0, got {step}")
+    path = root / f"step_{step:08d}"
+    if not path.is_dir():
+        have = f"available: {', '.join(map(str, steps))}" if steps else "the run holds no checkpoint"
+        raise ConfigError(f"--step {step}: no checkpoint of that step in {root}; {have}")
+    return path
+
+
+def tie_groups(model: torch.nn.Module) -> list[list[str]]:
+    """The parameter names of `model` grouped by the Parameter they name (ties), in model order."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return list(groups.values())
+
+
+def read_model_state(ckpt: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole canonical parameters of `model` (which may be on the meta device) from the
+    checkpoint `ckpt`, read in this process without a process group: {state-dict key: tensor in
+    the parameter's shape, in the dtype it was saved in}. Every name of a tie gets the same tensor.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from plait.zero.state import saved_shape
+
+    ckpt = Path(ckpt)
+    try:
+        metadata = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"{ckpt}: unreadable DCP metadata ({exc})") from None
+    saved = {
+        k.removeprefix("model."): md
+        for k, md in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    }
+    params = dict(model.named_parameters(remove_duplicate=False))
+    unknown = sorted(set(saved) - set(params))
+    if unknown:
+        raise CheckpointError(
+            f"{ckpt} holds parameters the run's model does not have ({', '.join(unknown[:4])}"
+            f"{', ...' if len(unknown) > 4 else ''}): config.toml does not describe this checkpoint's model"
+        )
+    request: dict[str, torch.Tensor] = {}
+    for names in tie_groups(model):
+        present = [n for n in names if n in saved]
+        if not present:
+            raise CheckpointError(
+                f"{ckpt} lacks the parameter {names[0]}: config.toml does not describe the checkpoint's model"
+            )
+        for n in present:
+            want = saved_shape(params[n].shape)
+            if tuple(saved[n].size) != tuple(want):
+                raise CheckpointError(
+                    f"{ckpt}: {n} was saved as {tuple(saved[n].size)}, the run's model needs {tuple(want)}: "
+                    "config.toml does not describe this checkpoint's model"
+                )
+            request[n] = torch.empty(want, dtype=saved[n].properties.dtype)
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": as intended
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": request}, checkpoint_id=str(ckpt), no_dist=True)
+    except (Exception, CheckpointException) as exc:  # DCP's exception is a BaseException
+        raise CheckpointError(f"reading the model from {ckpt} failed: {exc}") from None
+    out: dict[str, torch.Tensor] = {}
+    for names in tie_groups(model):
+        present = [n for n in names if n in request]
+        value = request[present[0]]
+        for other in present[1:]:  # copies of one tie held by different ranks (pipelines)
+            if not torch.equal(request[other], value):
+                raise CheckpointError(
+                    f"{ckpt}: the tied parameters {present[0]} and {other} hold different values"
+                )
+        for n in names:
+            out[n] = value.view(params[n].shape)
+    return out
+
+
+def _check_out(out: Path) -> None:
+    """`out` can be created: not a directory, its folder exists (made here) and takes files."""
+    import tempfile
+
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'model.safetensors'}")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: {out.parent} is not a directory; choose another path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".plait-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write in {out.parent} ({exc}); choose another path") from None
+
+
+def export(
+    run_dir: str | Path, out: str | Path | None = None, step: int | None = None, dtype: str = "fp32"
+) -> Path:
+    """Write the model of the run's checkpoint (`step`, default the latest) as one safetensors
+    file at `out` (default RUN_DIR/model.safetensors), in `dtype` ("fp32" or "bf16"); returns
+    the path written. See the module docstring for the format."""
+    from safetensors.torch import save_file
+
+    from plait.models import GPT
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory {str(run_dir)!r} not found")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is unknown; valid: {', '.join(DTYPES)}")
+    mcfg = run_model_config(run_dir)
+    ckpt = find_checkpoint(run_dir, step)
+    out = Path(out) if out is not None else run_dir / "model.safetensors"
+    _check_out(out)
+    manifest = verify_checkpoint(ckpt)
+
+    with torch.device("meta"):  # names, shapes and ties only: no memory, no initialisation
+        model = GPT(mcfg)
+    state = read_model_state(ckpt, model)
+    tensors = {}
+    for names in tie_groups(model):
+        for i, name in enumerate(names):
+            t = state[name].to(DTYPES[dtype]).contiguous()
+            tensors[name] = t.clone() if i else t  # safetensors takes no shared memory: a copy per tie
+    for key in model.state_dict():  # persistent buffers (GPT has none) are not in checkpoints
+        if key not in tensors:
+            raise ExportError(f"the model's state {key} is not a parameter and is not in the checkpoint")
+    metadata = {
+        "format": "pt",
+        META_CONFIG: json.dumps(dataclasses.asdict(mcfg)),
+        META_TIED: json.dumps([g for g in tie_groups(model) if len(g) > 1]),
+        "plait.step": str(manifest.get("step", "")),
+        "plait.checkpoint": str(ckpt),
+        "plait.dtype": dtype,
+        "plait.run_config": (run_dir / "config.toml").read_text(),
+    }
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ExportError(f"writing {out} failed ({exc}); nothing was written there") from None
+    return out
+
+
+def exported_metadata(path: str | Path) -> dict[str, str]:
+    """The header metadata of a file written by `export` (model config, ties, step, ...)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path} not found")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            metadata = fh.metadata() or {}
+    except Exception as exc:  # safetensors raises its own SafetensorError for a bad header
+        raise ExportError(f"{path} is not a readable safetensors file ({exc})") from None
+    if META_CONFIG not in metadata:
+        raise ExportError(f"{path} has no {META_CONFIG} in its header: it was not written by plait export")
+    return metadata
+
+
+def load_exported(path: str | Path, device: str | torch.device = "cpu"):
+    """(model, GPTConfig) from a file written by `export`: the GPT rebuilt from the config in the
+    header, its parameters loaded with strict=True, in the file's dtype, in eval mode."""
+    from safetensors.torch import load_file
+
+    from plait.models import GPT, GPTConfig
+
+    metadata = exported_metadata(path)
+    try:
+        state = load_file(str(path), device=str(device))
+    except Exception as exc:
+        raise ExportError(f"{path} is not a readable safetensors file ({exc})") from None
+    cfg = GPTConfig(**json.loads(metadata[META_CONFIG]))
+    model = GPT(cfg).to(device)
+    dtypes = {t.dtype for t in state.values()}
+    if len(dtypes) == 1:
+        model.to(dtypes.pop())
+    model.load_state_dict(state, strict=True)
+    return model.eval(), cfg
