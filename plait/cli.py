@@ -83,9 +83,13 @@ def _train(argv: list[str]) -> int:
 
 
 # Checkpoints are saved layout-free (plait.zero.state): a run may resume on another dp degree,
-# tensor-parallel degree, ZeRO stage, hybrid group or bucket size, and DCP reads the shards the new
-# layout needs.
+# tensor-parallel degree, pipeline (degree, schedule, micro-batches), ZeRO stage, hybrid group or
+# bucket size, and DCP reads the shards the new layout needs.
 RESHARDABLE = (
+    "parallel.pp",
+    "parallel.schedule",
+    "parallel.microbatches",
+    "parallel.virtual_stages",
     "parallel.dp",
     "parallel.tp",
     "parallel.sequence_parallel",

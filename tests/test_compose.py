@@ -1,11 +1,15 @@
 """Compositions on one mesh against one process: ZeRO 1-3 over a tensor-parallel GPT (2-D FSDP +
 TP), with and without sequence parallelism, and hybrid sharding x tp. fp32, 20 steps; AdamW with
 clipping, and SGD without clipping (a gradient of the wrong scale changes the trajectory at
-once). Losses, gradient norms and gathered parameters within 1e-5."""
+once). Losses, gradient norms and gathered parameters within 1e-5. End to end, `plait train`
+checkpoints saved under one layout resume under another with the uninterrupted run's losses."""
+
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import SGD, TINY, assert_runs_match, plait_train
 
 from plait.models import GPT, gpt_config
 from plait.optim import param_groups
@@ -152,3 +156,58 @@ def test_zero_over_tensor_parallel_follows_one_process(results, reference, name)
     assert_close_losses(res["losses"], losses, atol=1e-5, what=name)
     want = {k: v for k, v in params.items() if k != "lm_head.weight"}  # tied to wte.weight
     assert_close_params(res["params"], want, atol=1e-5, what=name)
+
+
+# --- `plait train`: compositions end to end, and checkpoints from any layout to any other -------
+
+TP = ("--model.n_head", "4")
+
+
+def _layout(pp=1, dp=1, tp=1, zero=0, sp=False):
+    """Every layout key, so that a resumed run overrides all of the saved run's."""
+    return (
+        *("--parallel.pp", str(pp), "--parallel.dp", str(dp), "--parallel.tp", str(tp)),
+        *("--parallel.zero_stage", str(zero), "--parallel.sequence_parallel", str(sp).lower()),
+    )
+
+
+LAYOUTS = {
+    "dp2": _layout(dp=2),
+    "dp2xtp2-z3-sp": _layout(dp=2, tp=2, zero=3, sp=True),
+    "pp2xtp2": _layout(pp=2, tp=2),
+    "dp4-z2": _layout(dp=4, zero=2),
+    "pp2xdp2": _layout(pp=2, dp=2),
+    "one": _layout(),
+    "dp2xtp2-z1": _layout(dp=2, tp=2, zero=1),
+}
+# (saved under, resumed under): the issue's three, each a different mechanism on each side
+RESUMES = [("dp2xtp2-z3-sp", "pp2xdp2"), ("pp2xtp2", "one"), ("dp4-z2", "dp2xtp2-z1")]
+
+
+@pytest.fixture(scope="module")
+def train_runs(tmp_path_factory):
+    """An uninterrupted data-parallel SGD run (no clipping), and runs cut after step 4 under each
+    saving layout."""
+    base = tmp_path_factory.mktemp("compose")
+    runs = {}
+    for name, layout in [("full", LAYOUTS["dp2"])] + [(s, LAYOUTS[s]) for s, _ in RESUMES]:
+        cut = () if name == "full" else ("--train.stop_at", "4")
+        run = base / name
+        r = plait_train(*TINY, *TP, *SGD, *layout, *cut, "--train.run_dir", str(run), timeout=300)
+        assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
+        runs[name] = run
+    return runs
+
+
+@pytest.mark.parametrize("saved, resumed", RESUMES, ids=[f"{a}-to-{b}" for a, b in RESUMES])
+def test_checkpoint_resumes_across_layouts(train_runs, tmp_path, saved, resumed):
+    """Steps 1-4 under the saving layout and steps 5-8 after resuming under another follow the
+    uninterrupted run: loss and gradient norm per step within 1e-5."""
+    full = train_runs["full"]
+    assert_runs_match(train_runs[saved], full, steps=range(1, 5), what=saved)
+    run = tmp_path / "run"
+    shutil.copytree(train_runs[saved], run)
+    r = plait_train("--resume", str(run), *LAYOUTS[resumed], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout and "step_00000004" in r.stdout
+    assert_runs_match(run, full, steps=range(5, 9), what=f"{saved} resumed on {resumed}")

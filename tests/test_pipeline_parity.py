@@ -1,7 +1,7 @@
 """Pipeline parallelism against one process: every schedule at pp=2 and pp=4 (v=2 for
-interleaved and ZB-V), dp=2 x pp=2 and tp=2 x pp=2. Losses and gradients within 1e-6 of
-single-process training on the same model, data and seed; parameters after three optimizer
-steps within 1e-5."""
+interleaved and ZB-V), dp=2 x pp=2 and tp=2 x pp=2 (with and without sequence parallelism).
+Losses and gradients within 1e-6 of single-process training on the same model, data and seed;
+parameters after three optimizer steps within 1e-5."""
 
 import pytest
 import torch
@@ -61,7 +61,7 @@ def _reference():
     return losses, norms, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _pipeline_run(mesh, kind, m, v=None, tp=False, recompute=False):
+def _pipeline_run(mesh, kind, m, v=None, tp=False, recompute=False, sp=False):
     """Train STEPS steps with `kind`; returns (losses, gradient norms, first-step grads, params)
     of this rank's part."""
     from plait import comm
@@ -71,7 +71,7 @@ def _pipeline_run(mesh, kind, m, v=None, tp=False, recompute=False):
     if tp:
         from plait.tensor_parallel import apply_tp
 
-        model = apply_tp(model, mesh)
+        model = apply_tp(model, mesh, sequence_parallel=sp)
     engine = PipelineEngine(
         model,
         mesh,
@@ -165,6 +165,7 @@ def _dp_and_tp():
     mesh.close()
     mesh = Mesh(pp=2, tp=2, timeout_s=120)
     out["tp"] = {k: _pipeline_run(mesh, k, m=4, tp=True) for k in ("1f1b", "zb-h1")}
+    out["tp-sp"] = {k: _pipeline_run(mesh, k, m=4, tp=True, sp=True) for k in ("1f1b", "zb-h1")}
     mesh.close()
     return out
 
@@ -172,7 +173,7 @@ def _dp_and_tp():
 def test_pipeline_with_data_and_tensor_parallel():
     ref = _reference()
     per_rank = run_ranks(_dp_and_tp, 4)
-    for axis, runs in (("dp", ("1f1b", "zb-v")), ("tp", ("1f1b", "zb-h1"))):
+    for axis, runs in (("dp", ("1f1b", "zb-v")), ("tp", ("1f1b", "zb-h1")), ("tp-sp", ("1f1b", "zb-h1"))):
         for kind in runs:
             _check([r[axis][kind] for r in per_rank], ref, f"{axis}=2 x pp=2 {kind}")
 

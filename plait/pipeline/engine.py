@@ -70,6 +70,9 @@ class PipelineEngine:
         param_groups=None,
     ):
         self.mesh = mesh
+        # the whole model's parameter names (a tied tensor under its first name): checkpoints
+        # keep them whatever stages this rank holds, so any layout can resume any other
+        self.names = {id(q): n for n, q in model.named_parameters()}
         p = mesh.size("pp")
         m = microbatches or p
         self.schedule = make_schedule(schedule, p, m, virtual_stages)
@@ -259,13 +262,13 @@ class PipelineEngine:
     def checkpoint_state(self) -> tuple[dict, dict]:
         from plait.zero.state import plain_state
 
-        return plain_state(self.raw, self.optimizer)
+        return plain_state(self.raw, self.optimizer, self.names)
 
     def checkpoint_loaded(self) -> None:
         pass
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: q.detach().to("cpu", copy=True) for n, q in self.raw.named_parameters()}
+        return {self.names[id(q)]: q.detach().to("cpu", copy=True) for q in self.raw.parameters()}
 
     def close(self) -> None:
         pass

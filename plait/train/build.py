@@ -120,7 +120,7 @@ def describe_engine(cfg: Config, engine) -> str:
         what = f"{tp}data parallel over {p.dp}, {len(engine.module.buckets)} gradient bucket(s)"
         precision = "bf16 autocast, fp32 parameters" if cfg.train.bf16 else "fp32"
     else:
-        what = f"ZeRO stage {p.zero_stage}"
+        what = f"{tp}ZeRO stage {p.zero_stage} over {p.dp}"
         if p.hybrid_shard:
             what += f", hybrid: shard over {p.hybrid_shard}, replicate x{p.dp // p.hybrid_shard}"
         if o.optimizer != "none":

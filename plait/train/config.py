@@ -246,7 +246,9 @@ def _coerce(where: str, value, t: type, optional: bool, from_cli: bool):
     return value
 
 
-def _apply(cfg: Config, section: str, key: str, value, from_cli: bool) -> None:
+def set_key(cfg: Config, section: str, key: str, value, from_cli: bool) -> None:
+    """Set `section.key` of `cfg` to `value`, checked and coerced to the key's type (a ConfigError
+    names an unknown key, with the nearest valid one, or a value of the wrong type)."""
     if section not in _SECTION_TYPES:
         raise ConfigError(f"unknown section [{section}]{_nearest(section, _SECTION_TYPES)}")
     types_ = _field_types(_SECTION_TYPES[section])
@@ -293,10 +295,10 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
                     f"{p}: top-level key {section!r} must be a [section]{_nearest(section, _SECTION_TYPES)}"
                 )
             for key, value in values.items():
-                _apply(cfg, section, key, value, from_cli=False)
+                set_key(cfg, section, key, value, from_cli=False)
     for dotted, value in overrides:
         section, _, key = dotted.partition(".")
-        _apply(cfg, section, key, value, from_cli=True)
+        set_key(cfg, section, key, value, from_cli=True)
     validate(cfg)
     return cfg
 
@@ -306,7 +308,7 @@ def config_from_dict(data: dict) -> Config:
     cfg = Config()
     for section, values in data.items():
         for key, value in values.items():
-            _apply(cfg, section, key, value, from_cli=False)
+            set_key(cfg, section, key, value, from_cli=False)
     validate(cfg)
     return cfg
 
@@ -490,10 +492,6 @@ def _validate_pipeline(cfg: Config, n_layer: int) -> None:
     _require(
         cfg.comm.compression == "none",
         "comm.compression with parallel.pp > 1 is not available; set comm.compression = 'none'",
-    )
-    _require(
-        not p.sequence_parallel,
-        "parallel.sequence_parallel with parallel.pp > 1 is not available yet; set it to false",
     )
 
 

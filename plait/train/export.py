@@ -45,7 +45,7 @@ def run_model_config(run_dir: str | Path):
 
     Only that section is read: the rest of the run's config (its corpus file, offload path,
     devices) need not exist where the export runs."""
-    from plait.train.config import Config, _apply, model_config
+    from plait.train.config import Config, model_config, set_key
 
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
@@ -59,7 +59,7 @@ def run_model_config(run_dir: str | Path):
         raise ConfigError(f"{path}: [model] must be a section")
     cfg = Config()
     for key, value in model.items():
-        _apply(cfg, "model", key, value, from_cli=False)
+        set_key(cfg, "model", key, value, from_cli=False)
     return model_config(cfg)
 
 

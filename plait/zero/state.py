@@ -182,14 +182,18 @@ class ShardedState:
         s.on_updated()
 
 
-def plain_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def plain_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str] | None = None
+) -> tuple[dict, dict]:
     """The same layout for an unsharded model and optimizer (replicated plain tensors).
 
     A tensor-parallel model (`plait.tensor_parallel.apply_tp`) saves each sharded parameter,
     and its optimizer states, as chunks of the whole canonical tensor in its natural shape, so
-    DCP can load it into another tp degree or one process."""
+    DCP can load it into another tp degree or one process. `names` (parameter id -> name) gives
+    the whole model's names when `model` is a part of it (a pipeline rank's stages)."""
     _init_state(optimizer)
-    names = {id(p): n for n, p in model.named_parameters()}
+    own = {id(p): n for n, p in model.named_parameters()}
+    names = {i: (names or {}).get(i, n) for i, n in own.items()}
     tp = getattr(model, "_plait_tp", None)
 
     def entry(p, t):
@@ -201,7 +205,7 @@ def plain_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
             return _sharded(chunks, shape, mesh.group(axis))
         return t.detach().view(saved_shape(t.shape))
 
-    model_sd = {n: entry(p, p) for n, p in model.named_parameters()}
+    model_sd = {names[id(p)]: entry(p, p) for p in model.parameters()}
     optim_sd = {}
     for p, st in optimizer.state.items():
         for key, v in st.items():
