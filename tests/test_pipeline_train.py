@@ -76,7 +76,11 @@ def test_pipelined_checkpoint_resumes(runs, tmp_path):
         ),
         ({"parallel": {"pp": 2, "schedule": "interleaved"}, "model": {"n_layer": 2}}, "not divisible into"),
         ({"parallel": {"pp": 3}, "model": {"n_layer": 4}}, "not divisible into"),
-        ({"parallel": {"pp": 2, "zero_stage": 1}}, "ZeRO within pipeline stages"),
+        ({"parallel": {"pp": 2, "zero_stage": 3}}, "stages 2 and 3 are not yet"),
+        (
+            {"parallel": {"pp": 2, "zero_stage": 1}, "offload": {"optimizer": "cpu"}},
+            "offload.optimizer = 'cpu' is not available",
+        ),
         ({"parallel": {"pp": 2}, "train": {"micro_batches": 2}}, "parallel.microbatches instead"),
     ],
 )

@@ -6,7 +6,9 @@ gradients those of single-process training:
 
 - data parallelism (pp x dp): each stage's gradients are averaged over its dp group as soon as
   the stage's last backward (BW or W) of the step has run, while the rest of the schedule goes
-  on; the optimizer waits for them;
+  on; the optimizer waits for them. With ZeRO-1 (`zero_stage=1`) a `ZeroOptimizer` over this
+  rank's stages reduce-scatters them at the end of the schedule instead, and each dp rank steps
+  its shard of the optimizer state;
 - tied embedding and head on different pipeline ranks: the two copies' gradients are summed
   over pp (ranks between them contribute zeros) so both copies stay equal;
 - tensor parallelism (pp x tp): the stages hold the tensor-parallel layers apply_tp made; the
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.pipeline.runtime import PipelineRuntime
 from plait.pipeline.schedules import make_schedule
@@ -54,6 +57,11 @@ class PipelineEngine:
         optimizer: ``optimizer(param_groups) -> torch.optim.Optimizer``.
         param_groups: ``param_groups(module) -> list of torch param groups`` for this rank's
             part (e.g. ``lambda m: plait.optim.param_groups(m, weight_decay)``), or None.
+        zero_stage: 0 (each stage's gradients all-reduced over dp as soon as its last backward
+            has run) or 1 (ZeRO-1 within each stage: the gradients are reduce-scattered over dp
+            at the end of the schedule, each dp rank steps its shard of the optimizer state and
+            the parameters are all-gathered; `zero` holds the ZeroOptimizer).
+        zero_options: more ZeroOptimizer arguments (bucket_mb, shard_axis, replicate_axis).
     """
 
     def __init__(
@@ -68,6 +76,8 @@ class PipelineEngine:
         split: str = "uniform",
         recompute: bool = False,
         param_groups=None,
+        zero_stage: int = 0,
+        zero_options: dict | None = None,
     ):
         self.mesh = mesh
         # the whole model's parameter names (a tied tensor under its first name): checkpoints
@@ -84,9 +94,29 @@ class PipelineEngine:
         self.module = self.raw
         self.runtime = PipelineRuntime(self.stages, self.schedule, mesh, recompute=recompute)
         self.runtime.on_stage_done = self._stage_done
-        self.optimizer = optimizer(
-            param_groups(self.raw) if param_groups is not None else list(self.raw.parameters())
-        )
+        groups = param_groups(self.raw) if param_groups is not None else list(self.raw.parameters())
+        self.zero = None
+        if zero_stage == 1:
+            from plait.zero.optimizer import ZeroOptimizer
+
+            if not isinstance(groups[0], dict):
+                groups = [{"params": groups}]
+            self.zero = ZeroOptimizer(
+                self.raw,
+                mesh,
+                optimizer,
+                stage=1,
+                param_groups=groups,
+                trigger="step_end",
+                names=self.names,
+                **(zero_options or {}),
+            )
+            self.zero.shards.norm_axes = ("pp",)
+            self.optimizer = self.zero.optimizer
+        elif zero_stage != 0:
+            raise ConfigError(f"zero_stage = {zero_stage} within pipeline stages: valid: 0, 1")
+        else:
+            self.optimizer = optimizer(groups)
 
         # Tied embedding/head: one Parameter held by stage 0 and the last stage. On different
         # ranks each keeps a copy whose gradients are summed over pp; the head's copy is not
@@ -102,6 +132,8 @@ class PipelineEngine:
                 else None
             )
             self._tied_counted = self.rank == self.schedule.rank_of(first)
+            if self.zero is not None and self._tied is not None and not self._tied_counted:
+                self.zero.shards.norm_skip.add(self.names[id(self._tied)])
         # which held stages use each parameter: a shared one is reduced after all of them
         self._users: dict[int, set[int]] = {}
         for s, stage in self.stages.items():
@@ -140,7 +172,7 @@ class PipelineEngine:
 
     def _stage_done(self, stage: int) -> None:
         self._finished.add(stage)
-        if self._dp == 1:
+        if self._dp == 1 or self.zero is not None:  # ZeRO reduces at the end of the schedule
             return
         ready = [
             q
@@ -172,6 +204,9 @@ class PipelineEngine:
             comm.all_reduce(buf, self.mesh, "pp")
             if tied is not None:
                 tied.grad = buf
+        if self.zero is not None:  # reduce-scatter over dp; sums partial (sequence-parallel) grads
+            self.zero.reduce_grads()
+            return
         if self._tp:
             from plait.tensor_parallel import allreduce_sequence_parallel_grads
 
@@ -216,6 +251,8 @@ class PipelineEngine:
 
     def grad_norm(self) -> float:
         """The global gradient norm over pp and tp (tied and tp-replicated tensors once)."""
+        if self.zero is not None:  # over the shards too
+            return self.zero.grad_norm()
         from plait.engine import global_grad_norm
         from plait.placement import norm_parts, placement
 
@@ -229,16 +266,24 @@ class PipelineEngine:
         return global_grad_norm(self.mesh, norm_parts(pairs, self.mesh, ("pp",), every))
 
     def clip_grad_norm_(self, max_norm: float) -> float:
+        if self.zero is not None:
+            return self.zero.clip_grad_norm_(max_norm)
         norm = self.grad_norm()
         params = [q for q in self.raw.parameters() if q.grad is not None]
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm), foreach=True)
         return norm
 
     def step(self) -> None:
-        self.optimizer.step()
+        if self.zero is not None:  # this rank's shards, then the parameters all-gathered
+            self.zero.step()
+        else:
+            self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self.zero is not None:
+            self.zero.zero_grad(set_to_none)
+        else:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
         if self.tied_shape is not None and self._tied is not None and set_to_none:
             self._tied.grad = None
 
@@ -247,6 +292,13 @@ class PipelineEngine:
 
     def memory(self) -> dict:
         from plait.zero.flat import storage_bytes
+
+        if self.zero is not None:  # the schedule's gradients live in .grad until the step's end
+            mem = self.zero.memory()
+            grads = sum(q.numel() * q.element_size() for q in self.raw.parameters() if q.requires_grad)
+            mem["grads"] += grads
+            mem["total"] += grads
+            return mem
 
         params = storage_bytes(list(self.raw.parameters()))
         # a gradient per parameter exists during every step (zero_grad frees them between
@@ -262,13 +314,19 @@ class PipelineEngine:
     def checkpoint_state(self) -> tuple[dict, dict]:
         from plait.zero.state import plain_state
 
+        if self.zero is not None:
+            return self.zero.checkpoint_state()
         return plain_state(self.raw, self.optimizer, self.names)
 
     def checkpoint_loaded(self) -> None:
-        pass
+        if self.zero is not None:
+            self.zero.checkpoint_loaded()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
+        if self.zero is not None:
+            return self.zero.full_parameters()
         return {self.names[id(q)]: q.detach().to("cpu", copy=True) for q in self.raw.parameters()}
 
     def close(self) -> None:
-        pass
+        if self.zero is not None:
+            self.zero.close()

@@ -74,6 +74,12 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
             virtual_stages=v,
             recompute=t.activation_checkpointing,
             param_groups=lambda part: param_groups(part, t.weight_decay),
+            zero_stage=p.zero_stage,
+            zero_options=dict(
+                bucket_mb=p.bucket_mb,
+                shard_axis=shard_axis,
+                replicate_axis="dp_replicate" if p.hybrid_shard else None,
+            ),
         )
 
     extra = {}
@@ -113,7 +119,8 @@ def describe_engine(cfg: Config, engine) -> str:
         s = engine.schedule
         what = (
             f"{tp}pipeline over {p.pp} ({s.kind}, {s.m} micro-batches, {s.n_stages} stages: this rank "
-            f"holds {list(s.stages[engine.rank])}), data parallel over {p.dp}"
+            f"holds {list(s.stages[engine.rank])}), "
+            + (f"ZeRO stage 1 over {p.dp}" if p.zero_stage else f"data parallel over {p.dp}")
         )
         return f"{what} | precision: {'bf16 autocast, fp32 parameters' if cfg.train.bf16 else 'fp32'}"
     if p.zero_stage == 0:

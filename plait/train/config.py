@@ -485,9 +485,15 @@ def _validate_pipeline(cfg: Config, n_layer: int) -> None:
         f"parallel.microbatches = {m} pipeline micro-batches; use a global_batch multiple of {p.dp * m}",
     )
     _require(
-        p.zero_stage == 0,
-        f"parallel.pp = {p.pp} with parallel.zero_stage = {p.zero_stage}: ZeRO within pipeline stages is "
-        "not available yet; use zero_stage = 0",
+        p.zero_stage <= 1,
+        f"parallel.pp = {p.pp} with parallel.zero_stage = {p.zero_stage}: within pipeline stages ZeRO "
+        "stage 0 or 1 is available; stages 2 and 3 are not yet (the schedule keeps each micro-batch's "
+        "gradients until its end, and zero-bubble's split backward bypasses ZeRO-3's gathers)",
+    )
+    _require(
+        cfg.offload.optimizer == "none",
+        f"parallel.pp = {p.pp} with offload.optimizer = {cfg.offload.optimizer!r} is not available yet; "
+        "set offload.optimizer = 'none'",
     )
     _require(
         cfg.comm.compression == "none",

@@ -77,6 +77,11 @@ class ZeroOptimizer(ShardedEngine):
 
     After construction call `module` as usual, `loss.backward()`, then `step()` and `zero_grad()`.
     `optimizer` is the wrapped torch optimizer (give it to LR schedulers).
+
+    `trigger`: "hook" (a hook per parameter feeds its gradient to its bucket as backward produces
+    it, overlapping the reduction with backward) or "step_end" (the owner calls `reduce_grads()`
+    once the step's gradients are complete: a pipeline). `names`: parameter id -> the name
+    checkpoints and `full_parameters` use (default: the module's own names).
     """
 
     def __init__(
@@ -95,7 +100,11 @@ class ZeroOptimizer(ShardedEngine):
         delayed_update: bool = False,
         allow_unused: bool = False,
         comm_hook=None,
+        trigger: str = "hook",
+        names: dict[int, str] | None = None,
     ):
+        if trigger not in ("hook", "step_end"):
+            raise ConfigError(f"trigger {trigger!r} is not valid; valid: hook, step_end")
         if stage not in (1, 2):
             raise ConfigError(f"ZeroOptimizer handles stages 1 and 2, got {stage}")
         if bucket_mb <= 0:
@@ -111,6 +120,8 @@ class ZeroOptimizer(ShardedEngine):
         if comm_hook is not None and compute_dtype != torch.float32:
             raise ConfigError("gradient compression under ZeRO needs fp32 gradients (mixed_precision=None)")
         self.comm_hook = comm_hook
+        self.trigger = trigger
+        self._names = names or {}
         self._sync = True
         self._queued = False
         self._next_launch = 0
@@ -149,10 +160,11 @@ class ZeroOptimizer(ShardedEngine):
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                if trigger == "hook":
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def _build_buckets(self, capacity: int, dtype) -> list[_Bucket]:
-        names = {id(p): n for n, p in self.module.named_parameters()}
+        names = {id(p): self._names.get(id(p), n) for n, p in self.module.named_parameters()}
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
             raise ConfigError("the module has no trainable parameters to shard")
@@ -185,8 +197,18 @@ class ZeroOptimizer(ShardedEngine):
 
     # --- backward -------------------------------------------------------------------------
 
+    def reduce_grads(self) -> None:
+        """The end-of-step trigger (`trigger="step_end"`, a pipeline's: its schedule writes the
+        gradients itself, some outside autograd's hooks): take every parameter's accumulated
+        `.grad` into its bucket and reduce the buckets, in bucket order."""
+        for b in self.buckets:
+            for p in b.params:
+                if p.grad is not None:
+                    self._on_grad(p)
+        self._finish_backward()
+
     def _on_grad(self, p: nn.Parameter) -> None:
-        if not self._queued:
+        if not self._queued and self.trigger == "hook":
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         b, i = self._where[id(p)]

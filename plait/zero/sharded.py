@@ -94,6 +94,10 @@ class ShardedOptimizer:
         # each parameter's placement on the model axes (tensor parallelism): read by the norm,
         # full_parameters and checkpoints
         self.placements = [[placement(p) for p in ps] for ps in params]
+        # the norm: more axes the model is split over besides the shard axis (a pipeline's pp),
+        # and names of parameters another rank counts (a tied copy on a later pipeline stage)
+        self.norm_axes: tuple[str, ...] = ()
+        self.norm_skip: set[str] = set()
         self.on_updated = on_updated
         self.offload = offload
         self.delayed_update = delayed_update
@@ -142,15 +146,17 @@ class ShardedOptimizer:
 
         pairs = []
         for g, placements in zip(self.groups, self.placements, strict=True):
-            if not any(pl.sharded for pl in placements):  # the whole shard at once
+            skip = self.norm_skip.intersection(g.layout.names)
+            if not skip and not any(pl.sharded for pl in placements):  # the whole shard at once
                 pairs.append((REPLICATED, g.grad))
                 continue
             for seg in g.segments:
-                if seg.length:
+                if seg.length and seg.name not in skip:
                     part = g.grad[seg.shard_offset : seg.shard_offset + seg.length]
                     pairs.append((placements[seg.index], part))
         every = [pl for ps in self.placements for pl in ps]
-        return global_grad_norm(self.mesh, norm_parts(pairs, self.mesh, (self.shard_axis,), every))
+        axes = (self.shard_axis, *self.norm_axes)
+        return global_grad_norm(self.mesh, norm_parts(pairs, self.mesh, axes, every))
 
     def model_axis_over(self, axis: str) -> str | None:
         """The combined axis of the shard axis and model axis `axis` (a tensor split both ways
