@@ -174,6 +174,16 @@ def gather_full(t: torch.Tensor, mesh, axis: str = "tp", pl: Placement | None = 
     return out.movedim(0, s.dim).cpu().clone()
 
 
+def bucket_key(p: torch.Tensor, mesh) -> tuple:
+    """What a gradient bucket must hold alike: the model axes the parameter is sharded on and
+    those its gradient is partial over (size > 1). A bucket of replicas then holds the same
+    gradients on every rank of those axes, so even a lossy compressor keeps replicas equal, and a
+    bucket of partial gradients can be summed over its axes as one."""
+    pl = placement(p)
+    live = lambda axes: tuple(a for a in axes if mesh.size(a) > 1)  # noqa: E731
+    return live(pl.sharded_axes), live(pl.grad_partial)
+
+
 def norm_parts(pairs, mesh, data_axes: tuple[str, ...] = (), every=()) -> list[tuple[list, tuple]]:
     """[(gradients, axes)] for `plait.engine.global_grad_norm`: each (placement, gradient) pair
     is summed over `data_axes` (where the engine splits gradients, e.g. ZeRO's shard axis) and

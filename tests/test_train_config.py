@@ -55,6 +55,12 @@ BAD = [
         ["optim.name = 'lamb' with parallel.tp = 2", "trust ratio"],
     ),
     (None, ["--parallel.sequence_parallel", "true"], ["sequence_parallel needs parallel.tp > 1"]),
+    (
+        None,
+        ["--parallel.tp", "2", "--parallel.dp", "1", "--comm.target", "momentum"]
+        + ["--comm.compression", "onebit"],
+        ["comm.target = 'momentum' (1-bit Adam) with parallel.tp > 1"],
+    ),
     (None, ["--parallel.dp", "0"], ["parallel.dp must be >= 1"]),
     (None, ["--model.name", "gpt5"], ["gpt5", "tiny"]),
     (None, ["--train.lr", "-1"], ["train.lr"]),

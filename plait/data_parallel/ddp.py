@@ -17,7 +17,11 @@ The design of PyTorch DDP's paper (VLDB 2020, §3.2-3.3):
 
 A parameter that received no gradient in a synchronised backward is an error naming it (other
 ranks would otherwise wait forever for its bucket); `allow_unused=True` reduces zeros for it.
-`comm_hook` replaces the bucket all-reduce, e.g. with a gradient compressor.
+`comm_hook` replaces the bucket all-reduce, e.g. with a gradient compressor. The trigger is
+pluggable too: per-parameter hooks (the default), or `trigger="manual"`, where the owner says
+which gradients are complete (`grads_ready`) and when the step's are (`finish_grads`): a
+pipeline stage's last backward. A bucket holds parameters of one placement (`plait.placement`),
+so replicas over tp stay equal under a lossy compressor.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.engine import ScalesResiduals
 from plait.errors import DataParallelError
 from plait.mesh import Mesh
+from plait.placement import bucket_key
 
 CommHook = Callable[["GradBucket", Mesh, str], "comm.Handle"]
 
@@ -68,13 +74,15 @@ class GradBucket:
         return self.numel * self.buffer.element_size()
 
 
-def build_buckets(params: list[nn.Parameter], capacity: int, name=None) -> list[GradBucket]:
+def build_buckets(params: list[nn.Parameter], capacity: int, name=None, key=None) -> list[GradBucket]:
     """Consecutive runs of `params`, in the given order, of at most `capacity` bytes (a larger
-    parameter gets a bucket of its own) and one dtype each, as GradBuckets named by `name(p)`."""
+    parameter gets a bucket of its own), one dtype and one `key(p)` each, as GradBuckets named
+    by `name(p)`."""
+    key = key or (lambda p: None)
     chunks, current, size = [], [], 0
     for p in params:
         nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > capacity or p.dtype != current[0].dtype):
+        if current and (size + nbytes > capacity or (p.dtype, key(p)) != (current[0].dtype, key(current[0]))):
             chunks.append(current)
             current, size = [], 0
         current.append(p)
@@ -107,10 +115,14 @@ class DataParallel(nn.Module):
         bucket_mb: float = 25.0,
         allow_unused: bool = False,
         comm_hook: CommHook | None = None,
+        trigger: str = "hook",
     ):
         super().__init__()
         if bucket_mb <= 0:
             raise DataParallelError(f"bucket_mb must be positive, got {bucket_mb}")
+        if trigger not in ("hook", "manual"):
+            raise DataParallelError(f"trigger {trigger!r} is not valid; valid: hook, manual")
+        self.trigger = trigger
         self.module = module
         self.mesh = mesh
         self.axis = axis
@@ -129,7 +141,8 @@ class DataParallel(nn.Module):
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                if trigger == "hook":
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -156,15 +169,30 @@ class DataParallel(nn.Module):
     def _build_buckets(self, capacity: int) -> list[GradBucket]:
         names = {id(p): n for n, p in self.module.named_parameters()}
         params = [p for p in self.module.parameters() if p.requires_grad]
-        # reverse registration order ~ the order gradients are ready
-        return build_buckets(list(reversed(params)), capacity, lambda p: names[id(p)])
+        # reverse registration order ~ the order gradients are ready; one placement per bucket
+        return build_buckets(
+            list(reversed(params)), capacity, lambda p: names[id(p)], lambda p: bucket_key(p, self.mesh)
+        )
 
     # --- the backward path ----------------------------------------------------------------
+
+    def grads_ready(self, params) -> None:
+        """The manual trigger (`trigger="manual"`, a pipeline's: its schedule writes gradients
+        itself, some outside autograd's hooks): `params`' gradients are complete for this step;
+        their buckets are launched as soon as they fill, in bucket order. `finish_grads()`
+        completes the step."""
+        for p in params:
+            self._on_grad(p)
+
+    def finish_grads(self) -> None:
+        """The manual trigger's end of the step: wait for every bucket (parameters never made
+        ready are reduced as zeros if `allow_unused`) and point `.grad` at the reduced buckets."""
+        self._finish_backward()
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._sync:
             return
-        if not self._queued:
+        if not self._queued and self.trigger == "hook":
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         bucket, i = self._where[id(p)]
@@ -242,6 +270,22 @@ class DataParallel(nn.Module):
             yield
         finally:
             self._sync = previous
+
+    def set_lr_scale(self, scale: float) -> None:
+        """The learning rate of the coming step over the peak, for a compressor keeping its
+        error-feedback residual in units of the step (plait.engine.ScalesResiduals)."""
+        if isinstance(self.comm_hook, ScalesResiduals):
+            self.comm_hook.set_lr_scale(scale)
+
+    def residual_buffers(self) -> dict[str, torch.Tensor] | None:
+        """This rank's error-feedback residuals, one per bucket (zeros where none yet), for
+        checkpoints; None without an error-feedback compressor."""
+        hook = self.comm_hook
+        if hasattr(hook, "residual_buffers"):  # 1-bit Adam's momentum compressor
+            return hook.residual_buffers()
+        if not hasattr(hook, "state_tensors"):
+            return None
+        return hook.state_tensors(self.buckets)
 
     def bucket_table(self) -> list[dict]:
         """Bucket index, size in bytes and parameter names, in launch order."""

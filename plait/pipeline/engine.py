@@ -78,6 +78,8 @@ class PipelineEngine:
         param_groups=None,
         zero_stage: int = 0,
         zero_options: dict | None = None,
+        bucket_mb: float = 25.0,
+        comm_hook=None,
     ):
         self.mesh = mesh
         # the whole model's parameter names (a tied tensor under its first name): checkpoints
@@ -107,8 +109,10 @@ class PipelineEngine:
                 optimizer,
                 stage=1,
                 param_groups=groups,
-                trigger="step_end",
+                trigger="manual",
                 names=self.names,
+                bucket_mb=bucket_mb,
+                comm_hook=comm_hook,
                 **(zero_options or {}),
             )
             self.zero.shards.norm_axes = ("pp",)
@@ -117,6 +121,15 @@ class PipelineEngine:
             raise ConfigError(f"zero_stage = {zero_stage} within pipeline stages: valid: 0, 1")
         else:
             self.optimizer = optimizer(groups)
+        # stage 0 over dp: plait's bucketed data parallelism, triggered by the schedule (a stage's
+        # gradients are complete after its last backward) instead of per-parameter hooks
+        self.ddp = None
+        if zero_stage == 0 and mesh.size("dp") > 1:
+            from plait.data_parallel import DataParallel
+
+            self.ddp = DataParallel(
+                self.raw, mesh, bucket_mb=bucket_mb, allow_unused=True, comm_hook=comm_hook, trigger="manual"
+            )
 
         # Tied embedding/head: one Parameter held by stage 0 and the last stage. On different
         # ranks each keeps a copy whose gradients are summed over pp; the head's copy is not
@@ -142,8 +155,6 @@ class PipelineEngine:
         self._params = {id(q): q for q in self.raw.parameters()}
         self._finished: set[int] = set()
         self._reduced: set[int] = set()
-        self._handles: list[tuple[comm.Handle, list[torch.Tensor]]] = []
-        self._dp = mesh.size("dp")
         self._tp = "tp" if mesh.size("tp") > 1 else None
         self._synced = False
         self._record = False
@@ -165,6 +176,17 @@ class PipelineEngine:
         self._sync_grads()
         return loss
 
+    def set_lr_scale(self, scale: float) -> None:
+        """The coming step's learning rate over the peak, for error-feedback residuals."""
+        exchange = self.zero or self.ddp
+        if exchange is not None:
+            exchange.set_lr_scale(scale)
+
+    def residual_buffers(self) -> dict[str, torch.Tensor] | None:
+        """Error-feedback residuals of the gradient exchange over dp (a compressor), or None."""
+        exchange = self.zero or self.ddp
+        return exchange.residual_buffers() if exchange is not None else None
+
     def record_next_step(self) -> None:
         """Time the next step's actions (every pipeline rank starts it together)."""
         comm.barrier(self.mesh, "pp")
@@ -172,28 +194,19 @@ class PipelineEngine:
 
     def _stage_done(self, stage: int) -> None:
         self._finished.add(stage)
-        if self._dp == 1 or self.zero is not None:  # ZeRO reduces at the end of the schedule
+        if self.ddp is None:  # one dp rank, or ZeRO, which reduces at the end of the schedule
             return
         ready = [
             q
             for i, q in self._params.items()
             if i not in self._reduced and self._users[i] <= self._finished and q.grad is not None
         ]
-        if not ready:
-            return
         self._reduced.update(id(q) for q in ready)
-        grads = [q.grad for q in ready]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self._dp)
-        self._handles.append((comm.all_reduce(flat, self.mesh, "dp", async_op=True), grads))
+        self.ddp.grads_ready(ready)  # their buckets start reducing while the schedule goes on
 
     def _sync_grads(self) -> None:
-        for handle, grads in self._handles:
-            flat = handle.wait()
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        self._handles = []
+        if self.ddp is not None:
+            self.ddp.finish_grads()
         if self.tied_shape is not None:
             tied = self._tied
             buf = (
@@ -325,7 +338,9 @@ class PipelineEngine:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         if self.zero is not None:
             return self.zero.full_parameters()
-        return {self.names[id(q)]: q.detach().to("cpu", copy=True) for q in self.raw.parameters()}
+        from plait.placement import gather_full
+
+        return {self.names[id(q)]: gather_full(q, self.mesh, "tp") for q in self.raw.parameters()}
 
     def close(self) -> None:
         if self.zero is not None:

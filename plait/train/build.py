@@ -39,15 +39,18 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
     reducer = allreduce_norms(mesh, shard_axis) if p.zero_stage >= 1 else None
 
     c = cfg.comm
+    compressor = make_compressor(  # None without compression
+        c.compression,
+        topk_ratio=c.topk_ratio,
+        error_feedback=c.error_feedback,
+        powersgd_rank=c.powersgd_rank,
+    )
     momentum_hook = None
     if c.target == "momentum":  # 1-bit Adam: the optimizer exchanges the momentum, compressed
-        compressor = make_compressor(
-            c.compression,
-            topk_ratio=c.topk_ratio,
-            error_feedback=c.error_feedback,
-            powersgd_rank=c.powersgd_rank,
-        )
         momentum_hook = MomentumHook(compressor, c.freeze_step)
+    # what replaces the gradient reduction's collective: the bucket all-reduce (data parallel)
+    # or reduce-scatter (ZeRO-1/2), in every layout
+    comm_hook = momentum_hook or compressor
 
     def factory(groups):
         if momentum_hook is not None:
@@ -75,6 +78,8 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
             recompute=t.activation_checkpointing,
             param_groups=lambda part: param_groups(part, t.weight_decay),
             zero_stage=p.zero_stage,
+            bucket_mb=p.bucket_mb,
+            comm_hook=comm_hook,
             zero_options=dict(
                 bucket_mb=p.bucket_mb,
                 shard_axis=shard_axis,
@@ -84,12 +89,7 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
 
     extra = {}
     if p.zero_stage <= 2:  # stage 0: the bucket all-reduce; stages 1-2: the bucket reduce-scatter
-        extra["comm_hook"] = momentum_hook or make_compressor(
-            c.compression,
-            topk_ratio=c.topk_ratio,
-            error_feedback=c.error_feedback,
-            powersgd_rank=c.powersgd_rank,
-        )
+        extra["comm_hook"] = comm_hook
     if p.zero_stage > 0:
         extra.update(
             mixed_precision="bf16" if t.bf16 else None,

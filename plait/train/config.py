@@ -410,8 +410,9 @@ def validate(cfg: Config) -> None:
         "would replay per-rank dropout masks from the wrong stream; drop one of the two",
     )
     _require(
-        p.tp == 1 or cfg.comm.compression == "none",
-        "comm.compression with parallel.tp > 1 is not available; set comm.compression = 'none'",
+        (p.tp == 1 and p.pp == 1) or cfg.comm.target == "gradient",
+        "comm.target = 'momentum' (1-bit Adam) with parallel.tp > 1 or parallel.pp > 1 is not available "
+        "yet (its momentum exchange is tested with data parallelism only); use comm.target = 'gradient'",
     )
     _validate_pipeline(cfg, m.n_layer)
 
@@ -494,10 +495,6 @@ def _validate_pipeline(cfg: Config, n_layer: int) -> None:
         cfg.offload.optimizer == "none",
         f"parallel.pp = {p.pp} with offload.optimizer = {cfg.offload.optimizer!r} is not available yet; "
         "set offload.optimizer = 'none'",
-    )
-    _require(
-        cfg.comm.compression == "none",
-        "comm.compression with parallel.pp > 1 is not available; set comm.compression = 'none'",
     )
 
 

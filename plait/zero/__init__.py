@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from plait.engine import AccumulatingEngine, ScalesResiduals, global_grad_norm
+from plait.engine import AccumulatingEngine, global_grad_norm
 from plait.errors import ConfigError
 from plait.mesh import Mesh
-from plait.placement import norm_parts, placement
+from plait.placement import gather_full, norm_parts, placement
 from plait.zero.estimate import activation_bytes, estimate_memory, model_state_bytes_formula
 from plait.zero.flat import FlatLayout, Segment, storage_bytes
 from plait.zero.offload_disk import DiskStateOptimizer, OffloadError
@@ -94,18 +94,10 @@ class Stage0(AccumulatingEngine):
         return self.module.comm_hook
 
     def set_lr_scale(self, scale: float) -> None:
-        if isinstance(self.module.comm_hook, ScalesResiduals):
-            self.module.comm_hook.set_lr_scale(scale)
+        self.module.set_lr_scale(scale)
 
     def residual_buffers(self) -> dict[str, torch.Tensor] | None:
-        """This rank's error-feedback residuals, one per bucket (zeros where none yet), for
-        checkpoints; None without an error-feedback compressor."""
-        hook = self.module.comm_hook
-        if hasattr(hook, "residual_buffers"):  # 1-bit Adam's momentum compressor
-            return hook.residual_buffers()
-        if not hasattr(hook, "state_tensors"):
-            return None
-        return hook.state_tensors(self.module.buckets)
+        return self.module.residual_buffers()
 
     def step(self) -> None:
         self._sync_tp()
@@ -135,7 +127,8 @@ class Stage0(AccumulatingEngine):
         pass  # loaded in place into the parameters and optimizer state
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().to("cpu", copy=True) for n, p in self.raw.named_parameters()}
+        """Every parameter, whole (tensor-parallel shards gathered by their placements)."""
+        return {n: gather_full(p, self.mesh, "tp") for n, p in self.raw.named_parameters()}
 
     def close(self) -> None:
         self.module.remove_hooks()

@@ -31,7 +31,7 @@ from plait import comm
 from plait.engine import ScalesResiduals
 from plait.errors import ConfigError, DataParallelError
 from plait.mesh import Mesh
-from plait.placement import placement
+from plait.placement import bucket_key, placement
 from plait.zero.engine import ShardedEngine
 from plait.zero.flat import FlatLayout, storage_bytes
 from plait.zero.sharded import OptimizerFactory, ShardedOptimizer, ShardGroup
@@ -79,7 +79,7 @@ class ZeroOptimizer(ShardedEngine):
     `optimizer` is the wrapped torch optimizer (give it to LR schedulers).
 
     `trigger`: "hook" (a hook per parameter feeds its gradient to its bucket as backward produces
-    it, overlapping the reduction with backward) or "step_end" (the owner calls `reduce_grads()`
+    it, overlapping the reduction with backward) or "manual" (the owner calls `reduce_grads()`
     once the step's gradients are complete: a pipeline). `names`: parameter id -> the name
     checkpoints and `full_parameters` use (default: the module's own names).
     """
@@ -103,8 +103,8 @@ class ZeroOptimizer(ShardedEngine):
         trigger: str = "hook",
         names: dict[int, str] | None = None,
     ):
-        if trigger not in ("hook", "step_end"):
-            raise ConfigError(f"trigger {trigger!r} is not valid; valid: hook, step_end")
+        if trigger not in ("hook", "manual"):
+            raise ConfigError(f"trigger {trigger!r} is not valid; valid: hook, manual")
         if stage not in (1, 2):
             raise ConfigError(f"ZeroOptimizer handles stages 1 and 2, got {stage}")
         if bucket_mb <= 0:
@@ -171,7 +171,9 @@ class ZeroOptimizer(ShardedEngine):
         chunks, current, size = [], [], 0
         for p in reversed(params):  # reverse registration order ~ the order gradients are ready
             nbytes = p.numel() * torch.finfo(dtype).bits // 8
-            if current and (size + nbytes > capacity or self._sums(p) != self._sums(current[0])):
+            if current and (
+                size + nbytes > capacity or bucket_key(p, self.mesh) != bucket_key(current[0], self.mesh)
+            ):
                 chunks.append(current)
                 current, size = [], 0
             current.append(p)
@@ -198,7 +200,7 @@ class ZeroOptimizer(ShardedEngine):
     # --- backward -------------------------------------------------------------------------
 
     def reduce_grads(self) -> None:
-        """The end-of-step trigger (`trigger="step_end"`, a pipeline's: its schedule writes the
+        """The manual trigger (`trigger="manual"`, a pipeline's: its schedule writes the
         gradients itself, some outside autograd's hooks): take every parameter's accumulated
         `.grad` into its bucket and reduce the buckets, in bucket order."""
         for b in self.buckets:
