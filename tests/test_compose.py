@@ -149,6 +149,64 @@ def _pipeline(mesh, sp=False, sgd=False, kind="1f1b", m=2, zero=1, hook=None):
     return {"losses": losses, "grad_norms": norms, "params": params}
 
 
+def _tied_sequential():
+    """Not a GPT: an nn.Sequential language model whose output layer shares the embedding's
+    weight, so its first and last pipeline stages share a parameter."""
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(250, 32), torch.nn.Linear(32, 250, bias=False)
+    head.weight = emb.weight
+    layers = [emb] + [m for _ in range(3) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())] + [head]
+    seq = torch.nn.Sequential(*layers)
+    seq.loss_fn = lambda logits, y: torch.nn.functional.cross_entropy(
+        logits.reshape(-1, 250), y.reshape(-1), reduction="sum"
+    )
+    return seq
+
+
+def _sequential_reference():
+    seq = _tied_sequential()
+    opt = _adamw(param_groups(seq, 0.1))
+    losses, norms = [], []
+    for x, y in _batches():
+        loss = seq.loss_fn(seq(x), y) / y.numel()
+        loss.backward()
+        norms.append(grad_norm(seq.parameters()))
+        torch.nn.utils.clip_grad_norm_(seq.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, norms, state_of(seq)
+
+
+def _sequential_pipeline(mesh):
+    """The tied nn.Sequential cut into 2 stages (split by parameter count) with ZeRO-1 over dp."""
+    from plait import comm
+    from plait.pipeline.engine import PipelineEngine
+
+    engine = PipelineEngine(
+        _tied_sequential(),
+        mesh,
+        _adamw,
+        microbatches=2,
+        split="params",
+        param_groups=lambda mod: param_groups(mod, 0.1),
+        zero_stage=1,
+    )
+    dp, r = mesh.size("dp"), mesh.rank("dp")
+    rows = BATCH // dp
+    losses, norms = [], []
+    for x, y in _batches():
+        x, y = x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows]
+        loss_sum = engine.forward_backward(list(zip(x.chunk(2), y.chunk(2))), 1.0 / (rows * 32))
+        norms.append(engine.clip_grad_norm_(0.5))
+        engine.step()
+        engine.zero_grad()
+        losses.append(comm.all_reduce_scalar(float(loss_sum), mesh, ("pp", "dp")) / (BATCH * 32))
+    params = engine.full_parameters()
+    engine.close()
+    return {"losses": losses, "grad_norms": norms, "params": params}
+
+
 def _all_4():
     from plait.mesh import Mesh
 
@@ -163,6 +221,7 @@ def _all_4():
     mesh = Mesh(pp=2, dp=2, timeout_s=180)
     out["pp2-dp2-z1"] = _pipeline(mesh)
     out["pp2-dp2-z1-zbh1-sgd"] = _pipeline(mesh, sgd=True, kind="zb-h1")
+    out["sequential:pp2-dp2-z1"] = _sequential_pipeline(mesh)
     # compression in a pipeline, by data parallelism (stage 0) or ZeRO-1's reduce-scatter
     out["pp2-dp2-topk-all"] = _pipeline(mesh, zero=0, hook="topk-all")
     out["pp2-dp2-z1-topk-all"] = _pipeline(mesh, hook="topk-all")
@@ -213,7 +272,7 @@ def results():
 
 @pytest.fixture(scope="module")
 def reference():
-    return {"adamw": _reference(False), "sgd": _reference(True)}
+    return {"adamw": _reference(False), "sgd": _reference(True), "sequential": _sequential_reference()}
 
 
 NAMES = [
@@ -234,16 +293,18 @@ NAMES = [
     "pp2-dp2-z1-topk-all",
     "tp2-dp2-sp-topk-all",
     "z2-tp2-sp-topk-all",
+    "sequential:pp2-dp2-z1",
 ]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_composition_follows_one_process(results, reference, name):
-    losses, norms, params = reference["sgd" if name.endswith("sgd") else "adamw"]
+    kind = "sequential" if name.startswith("sequential:") else "sgd" if name.endswith("sgd") else "adamw"
+    losses, norms, params = reference[kind]
     res = results[name]
     assert_close_grad_norms(res["grad_norms"], norms, rtol=1e-5, what=name)  # first: the clearest
     assert_close_losses(res["losses"], losses, atol=1e-5, what=name)
-    want = {k: v for k, v in params.items() if k != "lm_head.weight"}  # tied to wte.weight
+    want = {k: v for k, v in params.items() if k != "lm_head.weight"}  # GPT's is wte.weight
     assert_close_params(res["params"], want, atol=1e-5, what=name)
 
 

@@ -259,6 +259,13 @@ class GPT(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
 
+    def pipeline_split(self, n_stages: int, split="uniform") -> list[nn.Module]:
+        """Cut into `n_stages` pipeline stages by blocks (plait.pipeline.stage.split_gpt): the
+        embeddings with the first, the final LayerNorm, head and loss with the last."""
+        from plait.pipeline.stage import split_gpt
+
+        return split_gpt(self, n_stages, split)
+
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
     ) -> torch.Tensor:

@@ -29,31 +29,38 @@ from plait.mesh import Mesh
 from plait.pipeline.runtime import PipelineRuntime
 from plait.pipeline.schedules import make_schedule
 from plait.pipeline.simulate import Event
-from plait.pipeline.stage import split_gpt
+from plait.pipeline.stage import split_model
 
 
 class HeldStages(nn.Module):
-    """The union of one rank's stages, under the whole model's parameter names."""
+    """The union of one rank's stages: their children by name, module dicts of layers (a GPT's
+    blocks, an nn.Sequential's layers) merged, so the stages' own names are kept."""
 
     def __init__(self, stages: list[nn.Module], tp=None):
         super().__init__()
-        blocks = nn.ModuleDict()
         for stage in stages:
             for name, child in stage.named_children():
-                if name == "blocks":
-                    blocks.update(child)
+                mine = getattr(self, name, None)
+                if isinstance(child, nn.ModuleDict) and isinstance(mine, nn.ModuleDict):
+                    mine.update(child)
+                elif isinstance(child, nn.ModuleDict):
+                    setattr(self, name, nn.ModuleDict(child))
                 else:
                     setattr(self, name, child)
-        self.blocks = blocks
         if tp is not None:
             self._plait_tp = tp  # read by plait.zero.state to save tensor-parallel shards whole
 
 
 class PipelineEngine:
-    """Train a plait GPT with pipeline parallelism over the mesh's pp axis (see module doc).
+    """Train a model with pipeline parallelism over the mesh's pp axis (see module doc).
 
     Args:
-        model: a GPT (after apply_tp, if any), identical on every rank.
+        model: the whole model (after apply_tp, if any), identical on every rank: one that cuts
+            itself (plait's GPT), an nn.Sequential (`split_model`), or any module whose stages
+            are given in `stages`.
+        stages: the model cut into pp x virtual_stages stage modules, in order (they share the
+            model's parameters): each takes the previous stage's output, the first the input,
+            and the last `(x, targets)` returns the summed loss.
         optimizer: ``optimizer(param_groups) -> torch.optim.Optimizer``.
         param_groups: ``param_groups(module) -> list of torch param groups`` for this rank's
             part (e.g. ``lambda m: plait.optim.param_groups(m, weight_decay)``), or None.
@@ -74,6 +81,7 @@ class PipelineEngine:
         microbatches: int | None = None,
         virtual_stages: int | None = None,
         split: str = "uniform",
+        stages: list[nn.Module] | None = None,
         recompute: bool = False,
         param_groups=None,
         zero_stage: int = 0,
@@ -88,7 +96,11 @@ class PipelineEngine:
         p = mesh.size("pp")
         m = microbatches or p
         self.schedule = make_schedule(schedule, p, m, virtual_stages)
-        all_stages = split_gpt(model, self.schedule.n_stages, split)
+        all_stages = list(stages) if stages is not None else split_model(model, self.schedule.n_stages, split)
+        if len(all_stages) != self.schedule.n_stages:
+            raise ConfigError(
+                f"{len(all_stages)} stage modules given for {self.schedule.n_stages} pipeline stages"
+            )
         self.rank = mesh.rank("pp")
         held = self.schedule.stages[self.rank]
         self.stages = {s: all_stages[s] for s in held}
@@ -131,22 +143,25 @@ class PipelineEngine:
                 self.raw, mesh, bucket_mb=bucket_mb, allow_unused=True, comm_hook=comm_hook, trigger="manual"
             )
 
-        # Tied embedding/head: one Parameter held by stage 0 and the last stage. On different
-        # ranks each keeps a copy whose gradients are summed over pp; the head's copy is not
-        # counted in the gradient norm.
-        first, last = 0, self.schedule.n_stages - 1
-        self.tied_shape = None
-        tie = getattr(getattr(model, "cfg", None), "tie_weights", False)
-        if tie and self.schedule.rank_of(first) != self.schedule.rank_of(last):
-            self.tied_shape = model.wte.weight.shape
-            self._tied = (
-                model.wte.weight
-                if self.rank in (self.schedule.rank_of(first), self.schedule.rank_of(last))
-                else None
-            )
-            self._tied_counted = self.rank == self.schedule.rank_of(first)
-            if self.zero is not None and self._tied is not None and not self._tied_counted:
-                self.zero.shards.norm_skip.add(self.names[id(self._tied)])
+        # Parameters shared by stages on different pipeline ranks (a GPT's tied embedding and
+        # head): each holder keeps a copy; their gradients are summed over pp (ranks holding none
+        # contribute zeros) so the copies stay equal, and the norm counts the first holder's.
+        holders: dict[int, set[int]] = {}
+        for s, stage in enumerate(all_stages):
+            for q in stage.parameters():
+                holders.setdefault(id(q), set()).add(self.schedule.rank_of(s))
+        self.shared = [
+            (q, self.rank in holders[id(q)]) for q in model.parameters() if len(holders.get(id(q), ())) > 1
+        ]
+        self._uncounted = {
+            id(q)
+            for q in model.parameters()
+            if len(holders.get(id(q), ())) > 1
+            and self.rank in holders[id(q)]
+            and self.rank != min(holders[id(q)])
+        }
+        if self.zero is not None:
+            self.zero.shards.norm_skip.update(self.names[i] for i in self._uncounted)
         # which held stages use each parameter: a shared one is reduced after all of them
         self._users: dict[int, set[int]] = {}
         for s, stage in self.stages.items():
@@ -207,16 +222,19 @@ class PipelineEngine:
     def _sync_grads(self) -> None:
         if self.ddp is not None:
             self.ddp.finish_grads()
-        if self.tied_shape is not None:
-            tied = self._tied
-            buf = (
-                tied.grad.clone()
-                if tied is not None and tied.grad is not None
-                else torch.zeros(self.tied_shape, device=self.mesh.device)
-            )
-            comm.all_reduce(buf, self.mesh, "pp")
-            if tied is not None:
-                tied.grad = buf
+        if self.shared:  # one all-reduce over pp for every shared parameter
+            parts = [
+                q.grad.reshape(-1)
+                if held and q.grad is not None
+                else torch.zeros(q.numel(), device=self.mesh.device)
+                for q, held in self.shared
+            ]
+            flat = comm.all_reduce(torch.cat(parts), self.mesh, "pp")
+            offset = 0
+            for q, held in self.shared:
+                if held:
+                    q.grad = flat[offset : offset + q.numel()].view_as(q).clone()
+                offset += q.numel()
         if self.zero is not None:  # reduce-scatter over dp; sums partial (sequence-parallel) grads
             self.zero.reduce_grads()
             return
@@ -272,8 +290,7 @@ class PipelineEngine:
         pairs = [
             (placement(q), q.grad)
             for q in self.raw.parameters()
-            if q.grad is not None
-            and not (self.tied_shape is not None and q is self._tied and not self._tied_counted)
+            if q.grad is not None and id(q) not in self._uncounted
         ]
         every = [placement(q) for q in self.raw.parameters()]
         return global_grad_norm(self.mesh, norm_parts(pairs, self.mesh, ("pp",), every))
@@ -297,8 +314,10 @@ class PipelineEngine:
             self.zero.zero_grad(set_to_none)
         else:
             self.optimizer.zero_grad(set_to_none=set_to_none)
-        if self.tied_shape is not None and self._tied is not None and set_to_none:
-            self._tied.grad = None
+        if set_to_none:
+            for q, held in self.shared:
+                if held:
+                    q.grad = None
 
     def no_sync(self):
         return contextlib.nullcontext()

@@ -5,7 +5,9 @@ partitioned into consecutive cells, one per accelerator).
 with the first stage, the final LayerNorm, the head and the loss with the last. Blocks are
 divided evenly ("uniform", which requires n_layer to divide) or balanced so the most expensive
 stage is as cheap as possible ("params": by parameter count, or any ``cost(name, module)``).
-`split_sequential` does the same for any ``nn.Sequential``.
+`split_sequential` does the same for any ``nn.Sequential``. `split_model` is what the pipeline
+engine calls: a model that knows how to cut itself (``model.pipeline_split(n_stages, split)``,
+as plait's GPT does), or an ``nn.Sequential`` (its ``loss_fn`` attribute, if any, is the loss).
 
 A stage keeps the model's own submodules (no copies) under the model's own names, so
 ``stage.named_parameters()`` yields ``blocks.3.attn.qkv.weight`` as the whole model would and
@@ -163,6 +165,20 @@ class SequentialStage(nn.Module):
                 raise PipelineError("the last stage got targets but split_sequential was given no loss_fn")
             return self._loss_fn(x, targets)
         return x
+
+
+def split_model(model: nn.Module, n_stages: int, split: str | Callable = "uniform") -> list[nn.Module]:
+    """Cut `model` into `n_stages` stage modules: by its own ``pipeline_split(n_stages, split)``,
+    or, for an ``nn.Sequential``, by `split_sequential` (with ``model.loss_fn``, if set, as the
+    summed loss). Anything else: cut it yourself and give the stages to the engine."""
+    if callable(getattr(model, "pipeline_split", None)):
+        return model.pipeline_split(n_stages, split)
+    if isinstance(model, nn.Sequential):
+        return split_sequential(model, n_stages, getattr(model, "loss_fn", None), split)
+    raise PipelineError(
+        f"cannot cut a {type(model).__name__} into pipeline stages: give it a pipeline_split(n_stages, "
+        "split) method, make it an nn.Sequential, or pass the stage modules (stages=[...])"
+    )
 
 
 def split_sequential(
