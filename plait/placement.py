@@ -174,14 +174,15 @@ def gather_full(t: torch.Tensor, mesh, axis: str = "tp", pl: Placement | None = 
     return out.movedim(0, s.dim).cpu().clone()
 
 
-def bucket_key(p: torch.Tensor, mesh) -> tuple:
-    """What a gradient bucket must hold alike: the model axes the parameter is sharded on and
-    those its gradient is partial over (size > 1). A bucket of replicas then holds the same
-    gradients on every rank of those axes, so even a lossy compressor keeps replicas equal, and a
-    bucket of partial gradients can be summed over its axes as one."""
+def bucket_key(p: torch.Tensor, mesh, sharding: bool = True) -> tuple:
+    """What a gradient bucket must hold alike: the model axes its gradients are partial over
+    (the bucket is summed there as one) and, with `sharding`, the axes the parameter is sharded
+    on: a bucket of replicas then holds the same gradients on every rank of those axes, so a lossy
+    compressor keeps the replicas equal. An exact all-reduce needs only the first (fewer, larger
+    buckets)."""
     pl = placement(p)
     live = lambda axes: tuple(a for a in axes if mesh.size(a) > 1)  # noqa: E731
-    return live(pl.sharded_axes), live(pl.grad_partial)
+    return live(pl.grad_partial), live(pl.sharded_axes) if sharding else ()
 
 
 def norm_parts(pairs, mesh, data_axes: tuple[str, ...] = (), every=()) -> list[tuple[list, tuple]]:

@@ -20,8 +20,8 @@ ranks would otherwise wait forever for its bucket); `allow_unused=True` reduces 
 `comm_hook` replaces the bucket all-reduce, e.g. with a gradient compressor. The trigger is
 pluggable too: per-parameter hooks (the default), or `trigger="manual"`, where the owner says
 which gradients are complete (`grads_ready`) and when the step's are (`finish_grads`): a
-pipeline stage's last backward. A bucket holds parameters of one placement (`plait.placement`),
-so replicas over tp stay equal under a lossy compressor.
+pipeline stage's last backward. Under a compressor a bucket holds parameters of one placement
+(`plait.placement.bucket_key`), so replicas over tp stay equal.
 """
 
 from __future__ import annotations
@@ -169,9 +169,14 @@ class DataParallel(nn.Module):
     def _build_buckets(self, capacity: int) -> list[GradBucket]:
         names = {id(p): n for n, p in self.module.named_parameters()}
         params = [p for p in self.module.parameters() if p.requires_grad]
-        # reverse registration order ~ the order gradients are ready; one placement per bucket
+        # reverse registration order ~ the order gradients are ready; under a compressor, one
+        # placement per bucket (bucket_key)
+        lossy = self.comm_hook is not allreduce_mean_hook
         return build_buckets(
-            list(reversed(params)), capacity, lambda p: names[id(p)], lambda p: bucket_key(p, self.mesh)
+            list(reversed(params)),
+            capacity,
+            lambda p: names[id(p)],
+            lambda p: bucket_key(p, self.mesh, lossy),
         )
 
     # --- the backward path ----------------------------------------------------------------

@@ -168,12 +168,12 @@ class ZeroOptimizer(ShardedEngine):
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
             raise ConfigError("the module has no trainable parameters to shard")
+        lossy = self.comm_hook is not None  # a compressor: one placement per bucket
+        key = lambda p: bucket_key(p, self.mesh, lossy)  # noqa: E731  partial gradients apart
         chunks, current, size = [], [], 0
         for p in reversed(params):  # reverse registration order ~ the order gradients are ready
             nbytes = p.numel() * torch.finfo(dtype).bits // 8
-            if current and (
-                size + nbytes > capacity or bucket_key(p, self.mesh) != bucket_key(current[0], self.mesh)
-            ):
+            if current and (size + nbytes > capacity or key(p) != key(current[0])):
                 chunks.append(current)
                 current, size = [], 0
             current.append(p)
