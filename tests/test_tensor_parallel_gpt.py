@@ -8,6 +8,7 @@ import torch.distributed as dist
 from plait.errors import ConfigError
 from plait.models import GPT, gpt_config
 from plait.optim import param_groups
+from plait.placement import placement
 from plait.testing import (
     assert_clipped,
     assert_close_grad_norms,
@@ -119,8 +120,68 @@ def _ledger(tp, sp):
     return out
 
 
+# Mesh-TensorFlow layout rules: every way of assigning GPT's named dims to tp (or keeping them
+# whole) is the same function; one-layer model, 5 steps of SGD without clipping
+RULE_DIMS = ("vocab", "heads", "d_ff")
+RULE_SETS = [
+    tuple(d for i, d in enumerate(RULE_DIMS) if mask >> i & 1) for mask in range(2 ** len(RULE_DIMS))
+]
+
+
+def _one_layer():
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny", n_layer=1, **CFG))
+
+
+def _rules_run(model, step_fn, norm_fn):
+    opt = _sgd(param_groups(model, 0.1))
+    losses, norms = [], []
+    for x, y in _batches()[:5]:
+        loss = model(x, y)
+        loss.backward()
+        norms.append(norm_fn())
+        step_fn(opt)
+        losses.append(float(loss.detach()))
+    return losses, norms
+
+
+def _rules_reference():
+    model = _one_layer()
+    losses, norms = _rules_run(
+        model, lambda opt: (opt.step(), opt.zero_grad()), lambda: grad_norm(model.parameters())
+    )
+    return losses, norms, state_of(model)
+
+
+def _rule_sets():
+    """Each rule set (and the full one with sequence parallelism) on tp = 2."""
+    from plait.mesh import Mesh
+    from plait.tensor_parallel import apply_tp, tp_named_parameters
+    from plait.zero import wrap
+
+    mesh = Mesh(tp=2, timeout_s=120)
+    out = {}
+    for split in RULE_SETS + [("sp",)]:
+        sp = split == ("sp",)
+        rules = {d: ("tp" if sp or d in split else None) for d in RULE_DIMS}
+        model = apply_tp(_one_layer(), mesh, sequence_parallel=sp, rules=rules)
+        engine = wrap(model, mesh, 0, _sgd, param_groups=param_groups(model, 0.1))
+
+        def step(_opt, engine=engine):
+            engine.step()
+            engine.zero_grad()
+
+        losses, norms = _rules_run(engine.module, step, engine.grad_norm)
+        sharded = sorted(n for n, p in model.named_parameters() if placement(p).shard("tp") is not None)
+        out["+".join(split) or "none"] = (losses, norms, tp_named_parameters(model), sharded)
+        engine.close()
+    mesh.close()
+    return out
+
+
 def _all_2():
     return {
+        "rules": _rule_sets(),
         "tp2": _train(1, 2, False),
         "tp2-sp": _train(1, 2, True),
         "tp2-sp-sgd": _train(1, 2, True, sgd=True),
@@ -165,6 +226,35 @@ def test_gpt_parity_with_one_process(results, reference, name):
     model.load_state_dict({**params, "lm_head.weight": params["wte.weight"]})  # tied
     want = model.generate(torch.tensor([[1, 2, 3]]), 5, temperature=0).tolist()
     assert res["generated"] == want
+
+
+def test_every_layout_rule_set_follows_one_process(results):
+    """Mesh-TensorFlow's claim: the layout (which named dims go to tp) changes where tensors
+    live, never the function: each of the 8 rule sets, and sequence parallelism, within 1e-5."""
+    losses, norms, params = _rules_reference()
+    runs = results["rules"]
+    assert len(runs) == 2 ** len(RULE_DIMS) + 1
+    owner = {"vocab": ("wte.",), "heads": (".attn.qkv.", ".attn.proj.weight"), "d_ff": (".mlp.",)}
+    for name, (got_losses, got_norms, got_params, sharded) in runs.items():
+        split = RULE_DIMS if name == "sp" else () if name == "none" else tuple(name.split("+"))
+        want_sharded = sorted(n for n in params if any(s in n for d in split for s in owner[d]))
+        want_sharded = [n for n in want_sharded if not n.endswith("mlp.proj.bias")]  # row bias: whole
+        assert sharded == want_sharded, f"{name}: sharded {sharded}"
+        assert_close_grad_norms(got_norms, norms, rtol=1e-5, what=name)
+        assert_close_losses(got_losses, losses, atol=1e-5, what=name)
+        assert_close_params(got_params, params, atol=1e-5, what=name)
+
+
+def test_bad_layout_rules():
+    from plait.tensor_parallel.apply import _apply_rules, gpt_plan
+
+    valid = r"valid dims: \['vocab', 'heads', 'd_ff'\]"
+    with pytest.raises(ConfigError, match=r"layout rules name \['depth'\].*" + valid):
+        _apply_rules(gpt_plan(), {"depth": "tp"}, "tp", False)
+    with pytest.raises(ConfigError, match="a dim goes to 'tp' or None"):
+        _apply_rules(gpt_plan(), {"heads": "dp"}, "tp", False)
+    with pytest.raises(ConfigError, match=r"sequence parallelism needs every named dim.*\['vocab'\] whole"):
+        _apply_rules(gpt_plan(True), {"vocab": None, "heads": "tp", "d_ff": "tp"}, "tp", True)
 
 
 @pytest.mark.parametrize("key, t", [("ledger2", 2), ("ledger4", 4), ("ledger4-sp", 4)])

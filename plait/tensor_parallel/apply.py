@@ -62,6 +62,7 @@ class _Ctx:
 class Colwise:
     fused: int = 1
     gather_output: bool = False
+    dim: str | None = None  # the named tensor dim it splits (layout rules)
 
     def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
         _expect(name, m, nn.Linear, self)
@@ -94,6 +95,8 @@ class Colwise:
 
 @dataclasses.dataclass
 class Rowwise:
+    dim: str | None = None
+
     def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
         _expect(name, m, nn.Linear, self)
         t = ctx.mesh.size(ctx.axis)
@@ -108,6 +111,8 @@ class Rowwise:
 
 @dataclasses.dataclass
 class VocabEmbedding:
+    dim: str | None = "vocab"
+
     def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
         _expect(name, m, nn.Embedding, self)
         new = VocabParallelEmbedding.from_embedding(
@@ -120,6 +125,7 @@ class VocabEmbedding:
 @dataclasses.dataclass
 class VocabHead:
     tie: str | None = None  # the VocabEmbedding module whose shard this head shares
+    dim: str | None = "vocab"
 
     def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
         _expect(name, m, nn.Linear, self)
@@ -156,6 +162,8 @@ class VocabHead:
 
 @dataclasses.dataclass
 class ParallelRandom:
+    dim: str | None = None  # random per rank only where this dim is split
+
     def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
         if any(True for _ in m.parameters(recurse=False)):
             raise ConfigError(f"{name}: ParallelRandom is for parameter-free modules (dropout, attention)")
@@ -227,20 +235,20 @@ def gpt_plan(sequence_parallel: bool = False) -> dict:
     row), vocabulary-parallel embedding and tied head; with sequence parallelism the LayerNorms,
     dropouts and position embedding work on sequence shards."""
     plan = {
-        "wte": VocabEmbedding(),
+        "wte": VocabEmbedding(dim="vocab"),
         "wpe": PositionSharded(),
         "drop": SequenceSharded(),
         "blocks.*.ln_1": SequenceSharded(),
-        "blocks.*.attn.qkv": Colwise(fused=3),
-        "blocks.*.attn.core": ParallelRandom(),
-        "blocks.*.attn.proj": Rowwise(),
+        "blocks.*.attn.qkv": Colwise(fused=3, dim="heads"),
+        "blocks.*.attn.core": ParallelRandom(dim="heads"),
+        "blocks.*.attn.proj": Rowwise(dim="heads"),
         "blocks.*.attn.resid_dropout": SequenceSharded(),
         "blocks.*.ln_2": SequenceSharded(),
-        "blocks.*.mlp.fc": Colwise(),
-        "blocks.*.mlp.proj": Rowwise(),
+        "blocks.*.mlp.fc": Colwise(dim="d_ff"),
+        "blocks.*.mlp.proj": Rowwise(dim="d_ff"),
         "blocks.*.mlp.dropout": SequenceSharded(),
         "ln_f": SequenceSharded(),
-        "lm_head": VocabHead(tie="wte"),
+        "lm_head": VocabHead(tie="wte", dim="vocab"),
     }
     return plan
 
@@ -253,18 +261,25 @@ def apply_tp(
     sequence_parallel: bool = False,
     seq_dim: int = 1,
     seed: int = 0,
+    rules: dict[str, str | None] | None = None,
 ) -> nn.Module:
     """Split `model` (identical on every rank of `axis`) over `axis` by `plan`, in place.
 
     `plan` defaults to `gpt_plan(sequence_parallel)`; an untied GPT head is detected. Modules are
     replaced in plan order (the embedding before a head tied to it). `seed` seeds the per-rank
     random stream (`ParallelRNG`) used by `ParallelRandom` and sharded dropouts. Returns `model`.
+
+    `rules` are Mesh-TensorFlow layout rules: which named tensor dims of the plan (GPT's "vocab",
+    "heads", "d_ff") are split over `axis`; a dim mapped to None stays whole, and its styles are
+    skipped (those layers stay replicated). Default: every named dim over `axis` (Megatron-LM's
+    split). Sequence parallelism needs every named dim split.
     """
     if plan is None:
         plan = gpt_plan(sequence_parallel)
         tied = getattr(getattr(model, "cfg", None), "tie_weights", True)
         if not tied:
-            plan["lm_head"] = VocabHead(tie=None)
+            plan["lm_head"] = VocabHead(tie=None, dim="vocab")
+    plan = _apply_rules(plan, rules, axis, sequence_parallel)
     rng = ParallelRNG(seed, mesh.rank(axis), mesh.device)
     ctx = _Ctx(mesh, axis, sequence_parallel, seq_dim, rng, model)
     names = [n for n, _ in model.named_modules() if n]
@@ -280,6 +295,32 @@ def apply_tp(
                 setattr(model.get_submodule(parent) if parent else model, child, new)
     model._plait_tp = (mesh, axis, rng)
     return model
+
+
+def plan_dims(plan: dict) -> list[str]:
+    """The named tensor dims a plan's styles split, in plan order."""
+    dims = [getattr(style, "dim", None) for style in plan.values()]
+    return list(dict.fromkeys(d for d in dims if d is not None))
+
+
+def _apply_rules(plan: dict, rules: dict | None, axis: str, sequence_parallel: bool) -> dict:
+    """The plan restricted to the styles whose named dim `rules` maps to `axis`."""
+    dims = plan_dims(plan)
+    if rules is None:
+        return plan
+    unknown = sorted(set(rules) - set(dims))
+    if unknown:
+        raise ConfigError(f"layout rules name {unknown}, which the plan does not split; valid dims: {dims}")
+    bad = {d: a for d, a in rules.items() if a not in (axis, None)}
+    if bad:
+        raise ConfigError(f"layout rules map {bad}: a dim goes to {axis!r} or None (stays whole)")
+    split = {d for d in dims if rules.get(d) == axis}
+    if sequence_parallel and split != set(dims):
+        raise ConfigError(
+            f"sequence parallelism needs every named dim split over {axis!r} ({', '.join(dims)}); "
+            f"the rules leave {sorted(set(dims) - split)} whole"
+        )
+    return {k: st for k, st in plan.items() if getattr(st, "dim", None) is None or st.dim in split}
 
 
 @contextlib.contextmanager
