@@ -129,6 +129,16 @@ class AccumulatingEngine:
         return self.module(x, y, reduction="sum")
 
 
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks a model declares (`model.plait_blocks()`: its repeated layers, e.g. plait's GPT
+    blocks), plus torch's own Transformer layers: what the parallelize step treats one at a time
+    (ZeRO-3 units, activation checkpointing) without knowing the model."""
+    declared = list(model.plait_blocks()) if callable(getattr(model, "plait_blocks", None)) else []
+    ids = {id(b) for b in declared}
+    kinds = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    return declared + [m for m in model.modules() if isinstance(m, kinds) and id(m) not in ids]
+
+
 def global_grad_norm(mesh, parts) -> float:
     """The 2-norm of the whole model's gradient, the one rule every engine uses: float64, each
     gradient counted once. `parts` pairs lists of gradients with the mesh axes they are split

@@ -222,6 +222,7 @@ def _all_4():
     out["pp2-dp2-z1"] = _pipeline(mesh)
     out["pp2-dp2-z1-zbh1-sgd"] = _pipeline(mesh, sgd=True, kind="zb-h1")
     out["sequential:pp2-dp2-z1"] = _sequential_pipeline(mesh)
+    out["pp2-dp2-z2-sgd"] = _pipeline(mesh, sgd=True, zero=2)
     # compression in a pipeline, by data parallelism (stage 0) or ZeRO-1's reduce-scatter
     out["pp2-dp2-topk-all"] = _pipeline(mesh, zero=0, hook="topk-all")
     out["pp2-dp2-z1-topk-all"] = _pipeline(mesh, hook="topk-all")
@@ -294,6 +295,7 @@ NAMES = [
     "tp2-dp2-sp-topk-all",
     "z2-tp2-sp-topk-all",
     "sequential:pp2-dp2-z1",
+    "pp2-dp2-z2-sgd",
 ]
 
 

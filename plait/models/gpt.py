@@ -259,6 +259,11 @@ class GPT(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
 
+    def plait_blocks(self) -> list[nn.Module]:
+        """The repeated transformer blocks: ZeRO-3's units and what activation checkpointing
+        recomputes (plait.engine.model_blocks)."""
+        return list(self.blocks)
+
     def pipeline_split(self, n_stages: int, split="uniform") -> list[nn.Module]:
         """Cut into `n_stages` pipeline stages by blocks (plait.pipeline.stage.split_gpt): the
         embeddings with the first, the final LayerNorm, head and loss with the last."""

@@ -6,7 +6,7 @@ gradients those of single-process training:
 
 - data parallelism (pp x dp): each stage's gradients are averaged over its dp group as soon as
   the stage's last backward (BW or W) of the step has run, while the rest of the schedule goes
-  on; the optimizer waits for them. With ZeRO-1 (`zero_stage=1`) a `ZeroOptimizer` over this
+  on; the optimizer waits for them. With ZeRO-1/2 (`zero_stage`) a `ZeroOptimizer` over this
   rank's stages reduce-scatters them at the end of the schedule instead, and each dp rank steps
   its shard of the optimizer state;
 - tied embedding and head on different pipeline ranks: the two copies' gradients are summed
@@ -65,9 +65,10 @@ class PipelineEngine:
         param_groups: ``param_groups(module) -> list of torch param groups`` for this rank's
             part (e.g. ``lambda m: plait.optim.param_groups(m, weight_decay)``), or None.
         zero_stage: 0 (each stage's gradients all-reduced over dp as soon as its last backward
-            has run) or 1 (ZeRO-1 within each stage: the gradients are reduce-scattered over dp
+            has run), 1 or 2 (ZeRO within each stage: the gradients are reduce-scattered over dp
             at the end of the schedule, each dp rank steps its shard of the optimizer state and
-            the parameters are all-gathered; `zero` holds the ZeroOptimizer).
+            the parameters are all-gathered; stage 2 keeps only the gradient shard between
+            steps; `zero` holds the ZeroOptimizer).
         zero_options: more ZeroOptimizer arguments (bucket_mb, shard_axis, replicate_axis).
     """
 
@@ -110,7 +111,7 @@ class PipelineEngine:
         self.runtime.on_stage_done = self._stage_done
         groups = param_groups(self.raw) if param_groups is not None else list(self.raw.parameters())
         self.zero = None
-        if zero_stage == 1:
+        if zero_stage in (1, 2):
             from plait.zero.optimizer import ZeroOptimizer
 
             if not isinstance(groups[0], dict):
@@ -119,7 +120,7 @@ class PipelineEngine:
                 self.raw,
                 mesh,
                 optimizer,
-                stage=1,
+                stage=zero_stage,
                 param_groups=groups,
                 trigger="manual",
                 names=self.names,
@@ -130,7 +131,7 @@ class PipelineEngine:
             self.zero.shards.norm_axes = ("pp",)
             self.optimizer = self.zero.optimizer
         elif zero_stage != 0:
-            raise ConfigError(f"zero_stage = {zero_stage} within pipeline stages: valid: 0, 1")
+            raise ConfigError(f"zero_stage = {zero_stage} within pipeline stages: valid: 0, 1, 2")
         else:
             self.optimizer = optimizer(groups)
         # stage 0 over dp: plait's bucketed data parallelism, triggered by the schedule (a stage's

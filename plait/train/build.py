@@ -120,7 +120,7 @@ def describe_engine(cfg: Config, engine) -> str:
         what = (
             f"{tp}pipeline over {p.pp} ({s.kind}, {s.m} micro-batches, {s.n_stages} stages: this rank "
             f"holds {list(s.stages[engine.rank])}), "
-            + (f"ZeRO stage 1 over {p.dp}" if p.zero_stage else f"data parallel over {p.dp}")
+            + (f"ZeRO stage {p.zero_stage} over {p.dp}" if p.zero_stage else f"data parallel over {p.dp}")
         )
         return f"{what} | precision: {'bf16 autocast, fp32 parameters' if cfg.train.bf16 else 'fp32'}"
     if p.zero_stage == 0:

@@ -486,10 +486,10 @@ def _validate_pipeline(cfg: Config, n_layer: int) -> None:
         f"parallel.microbatches = {m} pipeline micro-batches; use a global_batch multiple of {p.dp * m}",
     )
     _require(
-        p.zero_stage <= 1,
+        p.zero_stage <= 2,
         f"parallel.pp = {p.pp} with parallel.zero_stage = {p.zero_stage}: within pipeline stages ZeRO "
-        "stage 0 or 1 is available; stages 2 and 3 are not yet (the schedule keeps each micro-batch's "
-        "gradients until its end, and zero-bubble's split backward bypasses ZeRO-3's gathers)",
+        "stages 0-2 are available; stage 3 is not yet (the schedule runs forward, backward and "
+        "zero-bubble's split weight-gradient passes outside ZeRO-3's gather-around-use hooks)",
     )
     _require(
         cfg.offload.optimizer == "none",

@@ -14,18 +14,22 @@ from torch.utils.checkpoint import checkpoint
 
 
 def apply_activation_checkpointing(model: nn.Module, block_types: tuple[type, ...] | None = None) -> int:
-    """Recompute every submodule of one of `block_types` (default: plait's GPT Block) in backward.
+    """Recompute every submodule of one of `block_types` in backward (default: the blocks the
+    model declares, `plait.engine.model_blocks`).
 
     Returns how many modules were wrapped. Non-reentrant checkpointing is used, so it composes
     with autograd hooks (data parallelism) and keeps dropout's random stream identical.
     """
     if block_types is None:
-        from plait.models import Block
+        from plait.engine import model_blocks
 
-        block_types = (Block,)
+        ids = {id(b) for b in model_blocks(model)}
+        chosen = lambda m: id(m) in ids  # noqa: E731
+    else:
+        chosen = lambda m: isinstance(m, block_types)  # noqa: E731
     count = 0
     for module in model.modules():
-        if isinstance(module, block_types) and not getattr(module, "_plait_recompute", False):
+        if chosen(module) and not getattr(module, "_plait_recompute", False):
             module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
             module._plait_recompute = True
             count += 1

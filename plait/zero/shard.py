@@ -42,11 +42,12 @@ WrapPolicy = Callable[[str, nn.Module], bool]
 
 
 def default_wrap_policy(model: nn.Module) -> WrapPolicy:
-    """Each transformer block (plait's GPT Block, torch's Transformer*Layer) is a unit."""
-    from plait.models.gpt import Block
+    """Each block the model declares (`plait.engine.model_blocks`: its `plait_blocks()`, torch's
+    Transformer*Layer) is a unit."""
+    from plait.engine import model_blocks
 
-    kinds = (Block, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
-    return lambda name, module: isinstance(module, kinds)
+    ids = {id(b) for b in model_blocks(model)}
+    return lambda name, module: id(module) in ids
 
 
 def _in_backward() -> bool:
