@@ -101,3 +101,20 @@ def test_weight_gradients_deferred_to_w_equal_autograd():
     loss.backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], atol=1e-6, rtol=0)
+
+
+def test_held_stages_refuse_children_of_the_same_name():
+    """A rank holding several given stages keeps them under their own child names: two stages
+    both naming a child `net` would lose one's parameters, so it is an error."""
+    from plait.errors import ConfigError
+    from plait.pipeline.engine import HeldStages
+
+    class Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(2, 2)
+
+    with pytest.raises(ConfigError, match="both have a child named 'net'"):
+        HeldStages([Stage(), Stage()])
+    merged = HeldStages(split_sequential(torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(4)]), 2))
+    assert len(list(merged.parameters())) == 8  # layer dicts merge: every parameter kept

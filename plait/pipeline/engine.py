@@ -42,7 +42,15 @@ class HeldStages(nn.Module):
             for name, child in stage.named_children():
                 mine = getattr(self, name, None)
                 if isinstance(child, nn.ModuleDict) and isinstance(mine, nn.ModuleDict):
+                    clash = [k for k in child if k in mine and mine[k] is not child[k]]
+                    if clash:
+                        raise ConfigError(f"two stages held by one rank both name {name}.{clash[0]}")
                     mine.update(child)
+                elif mine is not None and mine is not child:
+                    raise ConfigError(
+                        f"two stages held by one rank both have a child named {name!r}: name the stages' "
+                        "children apart (a rank holds its stages under their own names)"
+                    )
                 elif isinstance(child, nn.ModuleDict):
                     setattr(self, name, nn.ModuleDict(child))
                 else:

@@ -81,7 +81,6 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
             bucket_mb=p.bucket_mb,
             comm_hook=comm_hook,
             zero_options=dict(
-                bucket_mb=p.bucket_mb,
                 shard_axis=shard_axis,
                 replicate_axis="dp_replicate" if p.hybrid_shard else None,
             ),

@@ -555,7 +555,9 @@ def _validate_zero(cfg: Config) -> None:
     )
     _require(
         p.zero_stage == 0 or c.target == "gradient",
-        f"comm.target = 'momentum' (1-bit Adam) runs with parallel.zero_stage = 0 only, got {p.zero_stage}",
+        f"comm.target = 'momentum' (1-bit Adam) runs with parallel.zero_stage = 0 only, got {p.zero_stage}: "
+        "each rank forms its own momentum from the shared one, so the whole momentum lives on every rank "
+        "(sharding it needs a compressed reduce-scatter of the momentum, not built)",
     )
     if o.optimizer == "disk" and o.path:
         check_writable_dir(o.path, "offload.path")
