@@ -1,15 +1,19 @@
 """Helpers shared by the test files that run `plait train` end to end.
 
-`plait_train(*args)` runs the CLI in a subprocess (`fault_env` makes a rank fail in it); `TINY`
-is a few-second configuration; `losses(run)` and `metrics(run)` read rank 0's metrics.jsonl;
+`plait_train(*args)` runs the CLI in a subprocess (`fault_env` makes a rank fail in it);
+`plait_train_all({name: args})` runs independent ones side by side (`side_by_side`: any jobs);
+`TINY` is a few-second configuration; `losses(run)` and `metrics(run)` read rank 0's metrics.jsonl;
 `assert_runs_match` is the parity check between two runs: per step, the loss and the gradient
 norm before clipping. The gradient norm is what sees a gradient of the wrong scale that AdamW
 (invariant to a constant factor) and clipping hide from the losses.
 """
 
+import functools
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from plait.train.metrics import read_metrics
@@ -52,6 +56,24 @@ def plait_train(*args, env=None, timeout=180):
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+def side_by_side(jobs: dict[str, Callable], lanes: int = 2) -> dict:
+    """Call independent jobs (each starting processes and waiting for them), `lanes` at a time:
+    {name: job} -> {name: its result}. A `plait train` run is seconds of single-threaded
+    start-up (imports, spawn, rendezvous) around a short training; two side by side keep both
+    cores of a small machine busy."""
+    with ThreadPoolExecutor(lanes) as pool:
+        started = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: future.result() for name, future in started.items()}
+
+
+def plait_train_all(runs: dict[str, tuple], lanes: int = 2, env=None, timeout=180) -> dict:
+    """Independent `plait train` runs side by side: {name: args} -> {name: CompletedProcess}."""
+    jobs = {
+        name: functools.partial(plait_train, *args, env=env, timeout=timeout) for name, args in runs.items()
+    }
+    return side_by_side(jobs, lanes)
 
 
 def fault_env(spec: str) -> dict[str, str]:

@@ -265,8 +265,8 @@ def _compressed_ddp():
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_compressed_ddp_keeps_replicas_identical(world):
-    ratios = run_ranks(_compressed_ddp, world, timeout=180)[0]
+def test_compressed_ddp_keeps_replicas_identical(world, request):
+    ratios = request.getfixturevalue(f"ranks_{world}")[0]["ddp"]
     assert abs(ratios["fp16"] - 0.5) < 1e-9
     assert ratios["onebit"] < 1 / 20 * world / 2 + 0.05  # 1/32 of fp32 plus scales, gathered
     assert ratios["topk"] < 0.1 * world / 2 + 0.01  # 5% of entries, 8 bytes each, gathered
@@ -326,8 +326,8 @@ def _compressed_zero():
 
 
 @pytest.mark.parametrize("world", [2])
-def test_compressors_replace_the_zero_reduce_scatter(world):
-    ops = run_ranks(_compressed_zero, world, timeout=240)[0]
+def test_compressors_replace_the_zero_reduce_scatter(world, request):
+    ops = request.getfixturevalue(f"ranks_{world}")[0]["zero"]
     for stage in ("1", "2"):
         plain = ops[f"{stage}-none"]["reduce_scatter"]
         half = ops[f"{stage}-fp16"]["reduce_scatter"]
@@ -353,9 +353,29 @@ def _compressed_hybrid():
     return float((ddp - hybrid).abs().max())
 
 
-def test_compressor_under_hybrid_sharding_equals_data_parallel():
+def _two_ranks():
+    return {"ddp": _compressed_ddp(), "zero": _compressed_zero()}
+
+
+def _four_ranks():
+    return {"ddp": _compressed_ddp(), "hybrid": _compressed_hybrid()}
+
+
+# One spawn per world size runs every check of that size in turn (a spawn costs seconds); each
+# test reads its own check's per-rank results.
+@pytest.fixture(scope="module")
+def ranks_2():
+    return run_ranks(_two_ranks, 2, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def ranks_4():
+    return run_ranks(_four_ranks, 4, timeout=360)
+
+
+def test_compressor_under_hybrid_sharding_equals_data_parallel(ranks_4):
     # the shard group decodes its 2 messages, the replicas sum the shards: the same 4 messages
-    assert max(run_ranks(_compressed_hybrid, 4, timeout=180)) < 1e-6
+    assert max(r["hybrid"] for r in ranks_4) < 1e-6
 
 
 def test_onebit_sgd_converges_with_error_feedback_and_stalls_without():

@@ -135,8 +135,12 @@ def _parity_checks():
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_parity_with_one_process(world):
-    assert all(run_ranks(_parity_checks, world, timeout=240))
+def test_parity_with_one_process(world, request):
+    if world == 2:  # in the spawn that also checks against torch DDP
+        results = [r["parity"] for r in request.getfixturevalue("ranks_2")]
+    else:
+        results = run_ranks(_parity_checks, world, timeout=240)
+    assert all(results)
 
 
 def _torch_ddp_and_overlap():
@@ -207,5 +211,15 @@ def _torch_ddp_and_overlap():
     return True
 
 
-def test_matches_torch_ddp_overlaps_and_names_unused():
-    assert all(run_ranks(_torch_ddp_and_overlap, 2, timeout=180))
+def _two_ranks():
+    return {"parity": _parity_checks(), "torch_ddp": _torch_ddp_and_overlap()}
+
+
+@pytest.fixture(scope="module")
+def ranks_2():
+    """Every check on 2 ranks in one spawn (a spawn costs seconds), one after another."""
+    return run_ranks(_two_ranks, 2, timeout=420)
+
+
+def test_matches_torch_ddp_overlaps_and_names_unused(ranks_2):
+    assert all(r["torch_ddp"] for r in ranks_2)

@@ -148,9 +148,9 @@ def _check(results, ref, what):
 
 
 @pytest.mark.parametrize("p", [2, 4])
-def test_every_schedule_matches_one_process(p):
+def test_every_schedule_matches_one_process(p, request):
     ref = _reference()
-    per_rank = run_ranks(_all_schedules, p, args=(p,))
+    per_rank = [r["schedules"] for r in request.getfixturevalue(f"ranks_{p}")]
     for kind in per_rank[0]:
         _check([r[kind] for r in per_rank], ref, f"pp={p} {kind}")
     assert set(per_rank[0]) >= set(SCHEDULES)
@@ -170,9 +170,9 @@ def _dp_and_tp():
     return out
 
 
-def test_pipeline_with_data_and_tensor_parallel():
+def test_pipeline_with_data_and_tensor_parallel(ranks_4):
     ref = _reference()
-    per_rank = run_ranks(_dp_and_tp, 4)
+    per_rank = [r["dp_and_tp"] for r in ranks_4]
     for axis, runs in (("dp", ("1f1b", "zb-v")), ("tp", ("1f1b", "zb-h1")), ("tp-sp", ("1f1b", "zb-h1"))):
         for kind in runs:
             _check([r[axis][kind] for r in per_rank], ref, f"{axis}=2 x pp=2 {kind}")
@@ -226,8 +226,28 @@ def _measured_vs_simulated():
     return out
 
 
-def test_measured_step_time_matches_the_simulator():
-    results = run_ranks(_measured_vs_simulated, 2)[0]
+def _two_ranks():
+    return {"schedules": _all_schedules(2), "timing": _measured_vs_simulated()}
+
+
+def _four_ranks():
+    return {"schedules": _all_schedules(4), "dp_and_tp": _dp_and_tp()}
+
+
+# One spawn per world size runs every check of that size in turn (a spawn costs seconds); each
+# test reads its own check's per-rank results.
+@pytest.fixture(scope="module")
+def ranks_2():
+    return run_ranks(_two_ranks, 2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def ranks_4():
+    return run_ranks(_four_ranks, 4, timeout=300)
+
+
+def test_measured_step_time_matches_the_simulator(ranks_2):
+    results = ranks_2[0]["timing"]
     for kind, pairs in results.items():
         errors = sorted(abs(measured / simulated - 1.0) for measured, simulated in pairs)
         # the median step of three: a single step can be hit by the shared machine's noise

@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from conftest import TINY, assert_runs_match, losses, plait_train
+from conftest import TINY, assert_runs_match, losses, plait_train, plait_train_all
 
 from plait.errors import ConfigError
 from plait.train.config import load_config
@@ -18,18 +18,18 @@ PP = ("--model.n_layer", "4", "--parallel.dp", "1", "--parallel.pp", "2")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("pp")
-    out = {}
-    for name, extra in (
-        ("dp", ("--model.n_layer", "4", "--parallel.dp", "2")),
-        ("1f1b", (*PP, "--parallel.schedule", "1f1b")),
-        ("zb-v", (*PP, "--parallel.schedule", "zb-v", "--parallel.microbatches", "4")),
-        ("cut", (*PP, "--parallel.schedule", "1f1b", "--train.stop_at", "4")),
-    ):
-        run = base / name
-        r = plait_train(*TINY, *extra, "--train.run_dir", str(run))
-        assert r.returncode == 0, r.stderr
-        out[name] = (run, r)
-    return out
+    layouts = {
+        "dp": ("--model.n_layer", "4", "--parallel.dp", "2"),
+        "1f1b": (*PP, "--parallel.schedule", "1f1b"),
+        "zb-v": (*PP, "--parallel.schedule", "zb-v", "--parallel.microbatches", "4"),
+        "cut": (*PP, "--parallel.schedule", "1f1b", "--train.stop_at", "4"),
+    }
+    done = plait_train_all(
+        {name: (*TINY, *extra, "--train.run_dir", str(base / name)) for name, extra in layouts.items()}
+    )
+    for name, r in done.items():
+        assert r.returncode == 0, f"{name}: {r.stderr}"
+    return {name: (base / name, r) for name, r in done.items()}
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "zb-v"])

@@ -186,6 +186,7 @@ def _all_2():
         "tp2-sp": _train(1, 2, True),
         "tp2-sp-sgd": _train(1, 2, True, sgd=True),
         "ledger2": _ledger(2, False),
+        "rng": _rng_check(),
     }
 
 
@@ -202,8 +203,13 @@ def _all_4():
 
 
 @pytest.fixture(scope="module")
-def results():
-    out = run_ranks(_all_2, 2, timeout=300)[0]
+def per_rank_2():
+    return run_ranks(_all_2, 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def results(per_rank_2):
+    out = dict(per_rank_2[0])
     out.update(run_ranks(_all_4, 4, timeout=600)[0])
     return out
 
@@ -276,8 +282,8 @@ def test_ledger_per_layer(results, key, t):
     assert per_layer_elems == pytest.approx(8 * b * s * h * (t - 1) / t)
 
 
-def test_rng_streams_differ_across_tp_ranks_only_where_split():
-    out = run_ranks(_rng_check, 2, timeout=120)
+def test_rng_streams_differ_across_tp_ranks_only_where_split(per_rank_2):
+    out = [r["rng"] for r in per_rank_2]  # checked in the 2-rank spawn of the parity runs
     inside = [o["inside"] for o in out]
     outside = [o["outside"] for o in out]
     assert not torch.equal(inside[0], inside[1])  # split activations: per-rank masks

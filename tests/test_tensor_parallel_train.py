@@ -4,60 +4,67 @@ parallelism; a tp=2 checkpoint resumes with dp=2 (and the reverse) with the same
 import shutil
 
 import pytest
-from conftest import TINY, assert_runs_match, losses, plait_train
+from conftest import TINY, assert_runs_match, losses, plait_train_all
 
 from plait.zero.state import range_boxes, saved_shape
 
 TP = ("--model.n_head", "4")
+TP2 = ("--parallel.tp", "2", "--parallel.dp", "1")
+RUNS = {  # independent runs, trained side by side
+    "full": TP2,
+    "cut": (*TP2, "--train.stop_at", "4"),
+    "dp": (),
+    "sp": (*TP2, "--parallel.sequence_parallel", "true"),
+}
+LAYOUTS = {
+    "dp2": ("--parallel.tp", "1", "--parallel.dp", "2"),
+    "dp2xtp2-sp": ("--parallel.tp", "2", "--parallel.dp", "2", "--parallel.sequence_parallel", "true"),
+}
 
 
 @pytest.fixture(scope="module")
-def tp2_runs(tmp_path_factory):
+def runs(tmp_path_factory):
+    """{name: (run dir, CompletedProcess)} for RUNS (the job on tp=2, stopped after step 4 too;
+    on dp=2; on tp=2 with sequence parallelism), then the stopped run resumed on each of LAYOUTS
+    (in copies, side by side)."""
     base = tmp_path_factory.mktemp("tp")
-    full, cut = base / "full", base / "cut"
-    for run, extra in ((full, ()), (cut, ("--train.stop_at", "4"))):
-        args = (*TINY, *TP, "--parallel.tp", "2", "--parallel.dp", "1", *extra, "--train.run_dir", str(run))
-        r = plait_train(*args)
+    done = plait_train_all(
+        {name: (*TINY, *TP, *extra, "--train.run_dir", str(base / name)) for name, extra in RUNS.items()}
+    )
+    if done["cut"].returncode == 0:  # (else tp2_runs reports it)
+        for name in LAYOUTS:
+            shutil.copytree(base / "cut", base / f"resumed-{name}")
+        resumes = {
+            f"resumed-{name}": ("--resume", str(base / f"resumed-{name}"), *layout)
+            for name, layout in LAYOUTS.items()
+        }
+        done.update(plait_train_all(resumes))
+    return {name: (base / name, r) for name, r in done.items()}
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(runs):
+    for name in ("full", "cut"):
+        _, r = runs[name]
         assert r.returncode == 0, r.stderr
         assert "tensor parallel over 2" in r.stdout
-    return full, cut
+    return runs["full"][0], runs["cut"][0]
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ("--parallel.tp", "1", "--parallel.dp", "2"),
-        ("--parallel.tp", "2", "--parallel.dp", "2", "--parallel.sequence_parallel", "true"),
-    ],
-    ids=["dp2", "dp2xtp2-sp"],
-)
-def test_tp_checkpoint_resumes_on_another_layout(tp2_runs, tmp_path, layout):
-    full, cut = tp2_runs
-    run = tmp_path / "run"
-    shutil.copytree(cut, run)
-    r = plait_train("--resume", str(run), *layout)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_tp_checkpoint_resumes_on_another_layout(tp2_runs, runs, name):
+    full, _ = tp2_runs
+    run, r = runs[f"resumed-{name}"]
     assert r.returncode == 0, r.stderr
-    assert_runs_match(run, full, steps=range(5, 9), what=f"resumed on {layout}")
+    assert_runs_match(run, full, steps=range(5, 9), what=f"resumed on {LAYOUTS[name]}")
 
 
-def test_tp_runs_match_data_parallel(tp2_runs, tmp_path):
+def test_tp_runs_match_data_parallel(tp2_runs, runs):
     """The same job on dp=2 and on tp=2 (and tp=2 with sequence parallelism) has the same losses."""
     full, _ = tp2_runs
-    dp_run, sp_run = tmp_path / "dp", tmp_path / "sp"
-    r = plait_train(*TINY, *TP, "--train.run_dir", str(dp_run))
+    dp_run, r = runs["dp"]
     assert r.returncode == 0, r.stderr
-    r = plait_train(
-        *TINY,
-        *TP,
-        "--parallel.tp",
-        "2",
-        "--parallel.dp",
-        "1",
-        "--parallel.sequence_parallel",
-        "true",
-        "--train.run_dir",
-        str(sp_run),
-    )
+    sp_run, r = runs["sp"]
     assert r.returncode == 0, r.stderr
     assert "sequence parallel" in r.stdout
     for other, what in ((full, "tp2"), (sp_run, "tp2 + sp")):

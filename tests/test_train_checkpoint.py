@@ -14,6 +14,8 @@ from plait.testing import assert_close_params, run_ranks
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.zero import wrap
 
+STAGES = (0, 3)
+
 
 def _state(mesh, seed, stage=0):
     torch.manual_seed(seed)
@@ -80,6 +82,16 @@ def _crash_mid_save(root, stage):
     return True
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, stage):
-    assert all(run_ranks(_crash_mid_save, 2, args=(tmp_path / "ckpt", stage), timeout=120))
+def _every_stage(root):
+    return {stage: _crash_mid_save(root / f"stage{stage}", stage) for stage in STAGES}
+
+
+@pytest.fixture(scope="module")
+def per_rank(tmp_path_factory):
+    """Both stages in one spawn, one after another (a spawn costs seconds)."""
+    return run_ranks(_every_stage, 2, args=(tmp_path_factory.mktemp("ckpt"),), timeout=240)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_crash_mid_save_keeps_the_previous_checkpoint(per_rank, stage):
+    assert all(r[stage] for r in per_rank)

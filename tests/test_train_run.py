@@ -5,18 +5,54 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 
 import pytest
-from conftest import SGD, TINY, assert_runs_match, fault_env, losses, plait_train
+from conftest import (
+    SGD,
+    TINY,
+    assert_runs_match,
+    fault_env,
+    losses,
+    plait_train,
+    plait_train_all,
+    side_by_side,
+)
 
 from plait.train.metrics import read_metrics
 
+DP_LAYOUTS = {
+    "dp2": ("--parallel.dp", "2"),
+    "dp1 x 2 micro-batches": ("--parallel.dp", "1", "--train.micro_batches", "2"),
+    "dp1": ("--parallel.dp", "1"),
+    "dp2 bf16 + recompute x 2 micro-batches": (
+        "--parallel.dp",
+        "2",
+        "--train.bf16",
+        "true",
+        "--train.activation_checkpointing",
+        "true",
+        "--train.micro_batches",
+        "2",
+    ),
+}
+
 
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory):
+def dp_runs(tmp_path_factory):
+    """TINY on each of DP_LAYOUTS, side by side: {name: (run dir, CompletedProcess)}."""
+    base = tmp_path_factory.mktemp("dp")
+    dirs = {name: base / f"run{i}" for i, name in enumerate(DP_LAYOUTS)}
+    done = plait_train_all(
+        {name: (*TINY, *layout, "--train.run_dir", str(dirs[name])) for name, layout in DP_LAYOUTS.items()}
+    )
+    return {name: (dirs[name], r) for name, r in done.items()}
+
+
+@pytest.fixture(scope="module")
+def reference_run(dp_runs):
     """dp=2, 8 uninterrupted steps, checkpoints at 4 and 8."""
-    run = tmp_path_factory.mktemp("ref") / "run"
-    r = plait_train(*TINY, "--parallel.dp", "2", "--train.run_dir", str(run))
+    run, r = dp_runs["dp2"]
     assert r.returncode == 0, r.stderr
     return run, r
 
@@ -34,16 +70,14 @@ def test_run_dir_contents(reference_run):
     assert "held-out loss" in r.stdout and "unigram entropy" in r.stdout and "MFU" in r.stdout
 
 
-def test_layout_independent_losses(reference_run, tmp_path):
+def test_layout_independent_losses(reference_run, dp_runs):
     """dp=1 with 2 accumulation micro-batches and dp=2 see the same global batches: the same
     losses and gradient norms within 1e-5 relative (the loss is normalised per token across ranks
     and micro-batches; the norm sees a wrong gradient scale that AdamW and clipping would hide)."""
     run, _ = reference_run
-    one = tmp_path / "dp1"
-    r = plait_train(*TINY, "--parallel.dp", "1", "--train.micro_batches", "2", "--train.run_dir", str(one))
+    one, r = dp_runs["dp1 x 2 micro-batches"]
     assert r.returncode == 0, r.stderr
-    plain = tmp_path / "dp1-plain"
-    r = plait_train(*TINY, "--parallel.dp", "1", "--train.run_dir", str(plain))
+    plain, r = dp_runs["dp1"]
     assert r.returncode == 0, r.stderr
     for other, what in ((one, "dp1 x 2 micro-batches"), (run, "dp2")):
         assert_runs_match(other, plain, what=what)
@@ -66,107 +100,141 @@ def test_sgd_without_clipping_every_layout_follows_one_process(tmp_path):
     learning rate. Data parallel with accumulation, ZeRO-3, tensor + sequence parallel and a
     pipeline each match one process's losses and gradient norms at every step."""
     model = ("--model.n_layer", "4", "--model.n_head", "4")
-    one = tmp_path / "one"
-    r = plait_train(*TINY, *SGD, *model, "--parallel.dp", "1", "--train.run_dir", str(one))
+    dirs = {"one": tmp_path / "one", **{what: tmp_path / f"layout{i}" for i, what in enumerate(SGD_LAYOUTS)}}
+    layouts = {"one": ("--parallel.dp", "1"), **SGD_LAYOUTS}
+    done = plait_train_all(  # independent runs, side by side
+        {
+            what: (*TINY, *SGD, *model, *layout, "--train.run_dir", str(dirs[what]))
+            for what, layout in layouts.items()
+        }
+    )
+    one, r = dirs["one"], done["one"]
     assert r.returncode == 0, r.stderr
     first, last = losses(one)[1], losses(one)[8]
     assert last < first - 0.3, (first, last)  # SGD really trains at this rate
-    for i, (what, layout) in enumerate(SGD_LAYOUTS.items()):
-        run = tmp_path / f"layout{i}"
-        r = plait_train(*TINY, *SGD, *model, *layout, "--train.run_dir", str(run))
+    for what in SGD_LAYOUTS:
+        run, r = dirs[what], done[what]
         assert r.returncode == 0, r.stderr
         assert_runs_match(run, one, what=what)
 
 
-@pytest.mark.parametrize(
-    "compression,target,stage",
-    [("topk", "gradient", 0), ("topk", "momentum", 0), ("topk", "gradient", 2), ("powersgd", "gradient", 0)],
-)
-def test_resume_with_error_feedback_restores_the_residuals(tmp_path, compression, target, stage):
+ERROR_FEEDBACK = [
+    ("topk", "gradient", 0),
+    ("topk", "momentum", 0),
+    ("topk", "gradient", 2),
+    ("powersgd", "gradient", 0),
+]
+ANOTHER = ("--parallel.dp", "2", "--comm.compression", "topk", "--comm.topk_ratio", "0.05")
+
+
+def _error_feedback(compression, target, stage):
+    comp = ("--parallel.dp", "2", "--comm.compression", compression, "--comm.topk_ratio", "0.05")
+    comp += ("--comm.target", target, "--comm.freeze_step", "2", "--parallel.zero_stage", str(stage))
+    return comp + ("--comm.powersgd_rank", "2")
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """For each ERROR_FEEDBACK config, <config>/ref: 8 uninterrupted steps, and <config>/run:
+    stopped after step 4, then resumed; another/run: topk stopped after step 4, resumed with
+    powersgd. The independent runs side by side, then the resumes side by side. Returns the
+    base directory and {"<config>/<ref|cut|resume>": CompletedProcess}."""
+    base = tmp_path_factory.mktemp("resume")
+    stop = ("--train.stop_at", "4")
+    first, resumes = {}, {}
+    for config in ERROR_FEEDBACK:
+        name, comp = "-".join(map(str, config)), _error_feedback(*config)
+        first[f"{name}/ref"] = (*TINY, *comp, "--train.run_dir", str(base / name / "ref"))
+        first[f"{name}/cut"] = (*TINY, *comp, "--train.run_dir", str(base / name / "run"), *stop)
+        resumes[f"{name}/resume"] = ("--resume", str(base / name / "run"))
+    run = base / "another" / "run"
+    first["another/cut"] = (*TINY, *ANOTHER, "--train.run_dir", str(run), *stop)
+    resumes["another/resume"] = ("--resume", str(run), "--comm.compression", "powersgd")
+    done = plait_train_all(first)
+    done.update(plait_train_all(resumes))
+    return base, done
+
+
+@pytest.mark.parametrize("compression,target,stage", ERROR_FEEDBACK)
+def test_resume_with_error_feedback_restores_the_residuals(resumed, compression, target, stage):
     # The residual is part of the training state: without it the resumed steps would differ.
     # With target = momentum (1-bit Adam) the stop at step 4 falls in the compression stage;
     # under ZeRO-2 the compressor replaces the gradient reduce-scatter; PowerSGD's warm-start
     # matrices are state too.
-    comp = ("--parallel.dp", "2", "--comm.compression", compression, "--comm.topk_ratio", "0.05")
-    comp += ("--comm.target", target, "--comm.freeze_step", "2", "--parallel.zero_stage", str(stage))
-    comp += ("--comm.powersgd_rank", "2")
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    r = plait_train(*TINY, *comp, "--train.run_dir", str(ref))
-    assert r.returncode == 0, r.stderr
-    r = plait_train(*TINY, *comp, "--train.run_dir", str(run), "--train.stop_at", "4")
-    assert r.returncode == 0, r.stderr
-    r = plait_train("--resume", str(run))
-    assert r.returncode == 0, r.stderr
+    base, done = resumed
+    name = f"{compression}-{target}-{stage}"
+    for what in ("ref", "cut", "resume"):
+        r = done[f"{name}/{what}"]
+        assert r.returncode == 0, f"{name} {what}: {r.stderr}"
+    ref, run = base / name / "ref", base / name / "run"
     assert max(losses(run)) > 4 and losses(run) == losses(ref)  # bit for bit, every step
 
 
-def test_resume_with_another_compressor_starts_from_zero_residuals(tmp_path):
-    run = tmp_path / "run"
-    comp = ("--parallel.dp", "2", "--comm.compression", "topk", "--comm.topk_ratio", "0.05")
-    r = plait_train(*TINY, *comp, "--train.run_dir", str(run), "--train.stop_at", "4")
-    assert r.returncode == 0, r.stderr
-    r = plait_train("--resume", str(run), "--comm.compression", "powersgd")
-    assert r.returncode == 0, r.stderr
-    assert "residuals of another layout" in r.stdout and max(losses(run)) == 8
+def test_resume_with_another_compressor_starts_from_zero_residuals(resumed):
+    base, done = resumed
+    for what in ("cut", "resume"):
+        r = done[f"another/{what}"]
+        assert r.returncode == 0, r.stderr
+    assert "residuals of another layout" in r.stdout and max(losses(base / "another" / "run")) == 8
 
 
 def test_resume_is_bit_exact_and_damage_is_detected(tmp_path):
     """With dropout on, so the restored RNG states matter too."""
     ref = tmp_path / "ref"
-    r = plait_train(*TINY, "--parallel.dp", "2", "--model.dropout", "0.1", "--train.run_dir", str(ref))
-    assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
     # the first half under an outer torchrun (plait train is then one rank), interrupted at step 4
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "plait.cli",
-            "train",
-            *TINY,
-            "--parallel.dp",
-            "2",
-            "--model.dropout",
-            "0.1",
-            "--train.run_dir",
-            str(run),
-            "--train.stop_at",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "plait.cli"]
+    job = (*TINY, "--parallel.dp", "2", "--model.dropout", "0.1")
+    first = side_by_side(  # independent: the reference and the first half, side by side
+        {
+            "ref": partial(plait_train, *job, "--train.run_dir", str(ref)),
+            "cut": partial(
+                subprocess.run,
+                [*torchrun, "train", *job, "--train.run_dir", str(run), "--train.stop_at", "4"],
+                capture_output=True,
+                text=True,
+                timeout=180,
+            ),
+        }
     )
+    r = first["ref"]
+    assert r.returncode == 0, r.stderr
+    r = first["cut"]
     assert r.returncode == 0, r.stderr
     assert max(losses(run)) == 4
-    damaged = tmp_path / "damaged"
-    shutil.copytree(run, damaged)
+    # Three damaged copies of the interrupted run, each with the damage of the one before and
+    # one more: a flipped byte in a shard, then the shard truncated, then no manifest.
+    damaged = [tmp_path / f"damaged{i}" for i in range(3)]
+    for i, copy in enumerate(damaged):
+        shutil.copytree(run, copy)
+        ckpt = copy / "checkpoints" / "step_00000004"
+        shard = sorted(ckpt.glob("*.distcp"))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        if i >= 1:
+            shard.write_bytes(bytes(data[: len(data) // 3]))
+        if i >= 2:
+            (ckpt / "MANIFEST.json").unlink()
     r = plait_train("--resume", str(run), "--model.n_layer", "3")
     assert r.returncode == 2 and "model.n_layer cannot change on resume" in r.stderr, r.stderr
-    r = plait_train("--resume", str(run))
+    # the resume, and beside it the damaged copies refused before any rank starts
+    second = plait_train_all(
+        {"resume": ("--resume", str(run)), **{i: ("--resume", str(d)) for i, d in enumerate(damaged)}}
+    )
+    r = second["resume"]
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout
     assert losses(run) == losses(ref)  # bit for bit, every step
     r = plait_train(*TINY, "--train.run_dir", str(run))  # a new run never overwrites an old one
     assert r.returncode == 2 and "already holds a run" in r.stderr, r.stderr
 
-    ckpt = damaged / "checkpoints" / "step_00000004"
-    shard = sorted(ckpt.glob("*.distcp"))[0]
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    r = plait_train("--resume", str(damaged))
+    r = second[0]
     assert r.returncode == 1 and "corrupted" in r.stderr and shard.name in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
-    shard.write_bytes(bytes(data[: len(data) // 3]))
-    r = plait_train("--resume", str(damaged))
+    r = second[1]
     assert r.returncode == 1 and "truncated" in r.stderr, r.stderr
-    (ckpt / "MANIFEST.json").unlink()
-    r = plait_train("--resume", str(damaged))
+    r = second[2]
     assert r.returncode == 1 and "did not complete" in r.stderr, r.stderr
 
 
@@ -201,23 +269,10 @@ def test_failing_rank_takes_the_job_down_with_its_traceback(tmp_path):
     assert elapsed < 40, elapsed  # not the 60 s collective timeout, let alone a hang
 
 
-def test_bf16_recompute_and_accumulation_train(reference_run, tmp_path):
+def test_bf16_recompute_and_accumulation_train(reference_run, dp_runs):
     """bf16 autocast + activation checkpointing + accumulation: runs, and tracks the fp32 losses."""
     ref, _ = reference_run
-    run = tmp_path / "run"
-    r = plait_train(
-        *TINY,
-        "--parallel.dp",
-        "2",
-        "--train.bf16",
-        "true",
-        "--train.activation_checkpointing",
-        "true",
-        "--train.micro_batches",
-        "2",
-        "--train.run_dir",
-        str(run),
-    )
+    run, r = dp_runs["dp2 bf16 + recompute x 2 micro-batches"]
     assert r.returncode == 0, r.stderr
     a, b = losses(run), losses(ref)
     assert a.keys() == b.keys()

@@ -6,61 +6,82 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TINY, assert_runs_match, fault_env, losses, plait_train
+from conftest import TINY, assert_runs_match, fault_env, losses, plait_train, plait_train_all
 
 from plait.errors import ConfigError
 from plait.train.checkpoint import latest_checkpoint, verify_checkpoint
 from plait.train.config import load_config
 from plait.train.metrics import read_metrics
 
+RESHARD = {  # a dp=2 ZeRO-3 checkpoint resumed on each
+    "zero3-dp4": ("--parallel.dp", "4"),
+    "zero1-dp2": ("--parallel.zero_stage", "1"),
+    "one-process": ("--parallel.dp", "1", "--parallel.zero_stage", "0"),
+}
+MODES = {
+    "zero1-bf16": ("--parallel.zero_stage", "1", "--train.bf16", "true"),
+    "zero2-cpu-delayed": (
+        "--parallel.zero_stage",
+        "2",
+        "--offload.optimizer",
+        "cpu",
+        "--offload.delayed_update",
+        "true",
+    ),
+    "zero3-hybrid": ("--parallel.zero_stage", "3", "--parallel.dp", "4", "--parallel.hybrid_shard", "2"),
+    "zero3-disk": ("--parallel.zero_stage", "3", "--offload.optimizer", "disk"),
+}
+
 
 @pytest.fixture(scope="module")
-def zero3_reference(tmp_path_factory):
+def runs(tmp_path_factory):
+    """{name: (run dir, CompletedProcess)}: "full", ZeRO-3 at dp=2, 8 uninterrupted steps;
+    "cut", the same run stopped after step 4; each of MODES; side by side. Then "cut" resumed
+    on each of RESHARD (in copies, side by side)."""
+    base = tmp_path_factory.mktemp("zero")
+    zero3 = ("--parallel.zero_stage", "3")
+    first = {
+        "full": (*TINY, *zero3, "--train.run_dir", str(base / "full")),
+        "cut": (*TINY, *zero3, "--train.stop_at", "4", "--train.run_dir", str(base / "cut")),
+        **{name: (*TINY, *args, "--train.run_dir", str(base / name)) for name, args in MODES.items()},
+    }
+    done = plait_train_all(first)
+    if done["cut"].returncode == 0:  # (else zero3_reference reports it)
+        for name in RESHARD:
+            shutil.copytree(base / "cut", base / f"resumed-{name}")
+        resumes = {
+            f"resumed-{name}": ("--resume", str(base / f"resumed-{name}"), *layout)
+            for name, layout in RESHARD.items()
+        }
+        done.update(plait_train_all(resumes))
+    return {name: (base / name, r) for name, r in done.items()}
+
+
+@pytest.fixture(scope="module")
+def zero3_reference(runs):
     """ZeRO-3 at dp=2, 8 uninterrupted steps; and the same run stopped after step 4."""
-    base = tmp_path_factory.mktemp("zero3")
-    full, cut = base / "full", base / "cut"
-    r = plait_train(*TINY, "--parallel.zero_stage", "3", "--train.run_dir", str(full))
-    assert r.returncode == 0, r.stderr
-    r = plait_train(*TINY, "--parallel.zero_stage", "3", "--train.stop_at", "4", "--train.run_dir", str(cut))
-    assert r.returncode == 0, r.stderr
-    return full, cut
+    for name in ("full", "cut"):
+        _, r = runs[name]
+        assert r.returncode == 0, r.stderr
+    return runs["full"][0], runs["cut"][0]
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ("--parallel.dp", "4"),
-        ("--parallel.zero_stage", "1"),
-        ("--parallel.dp", "1", "--parallel.zero_stage", "0"),
-    ],
-    ids=["zero3-dp4", "zero1-dp2", "one-process"],
-)
-def test_zero3_checkpoint_reshards_and_training_continues(zero3_reference, tmp_path, layout):
+@pytest.mark.parametrize("name", RESHARD)
+def test_zero3_checkpoint_reshards_and_training_continues(zero3_reference, runs, name):
     """A dp=2 ZeRO-3 checkpoint loads into dp=4 ZeRO-3, into ZeRO-1 and into one process, and the
     steps after it have the losses of the uninterrupted run."""
-    full, cut = zero3_reference
-    run = tmp_path / "run"
-    shutil.copytree(cut, run)
-    r = plait_train("--resume", str(run), *layout)
+    full, _ = zero3_reference
+    run, r = runs[f"resumed-{name}"]
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout and "step_00000004" in r.stdout
     assert sorted(losses(run)) == list(range(1, 9))
-    assert_runs_match(run, full, steps=range(5, 9), what=f"resumed on {layout}")
+    assert_runs_match(run, full, steps=range(5, 9), what=f"resumed on {RESHARD[name]}")
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ("--parallel.zero_stage", "1", "--train.bf16", "true"),
-        ("--parallel.zero_stage", "2", "--offload.optimizer", "cpu", "--offload.delayed_update", "true"),
-        ("--parallel.zero_stage", "3", "--parallel.dp", "4", "--parallel.hybrid_shard", "2"),
-        ("--parallel.zero_stage", "3", "--offload.optimizer", "disk"),
-    ],
-    ids=["zero1-bf16", "zero2-cpu-delayed", "zero3-hybrid", "zero3-disk"],
-)
-def test_plait_train_runs_each_zero_mode(tmp_path, args):
-    run = tmp_path / "run"
-    r = plait_train(*TINY, *args, "--train.run_dir", str(run))
+@pytest.mark.parametrize("name", MODES)
+def test_plait_train_runs_each_zero_mode(runs, name):
+    args = MODES[name]
+    run, r = runs[name]
     assert r.returncode == 0, r.stderr
     assert "ZeRO stage" in r.stdout and "precision:" in r.stdout  # the policy is printed at start-up
     summary = json.loads((run / "summary.json").read_text())
