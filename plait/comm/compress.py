@@ -48,7 +48,7 @@ from plait import comm
 from plait.errors import ConfigError
 
 if TYPE_CHECKING:
-    from plait.data_parallel.ddp import GradBucket
+    from plait.gradsync import GradBucket
     from plait.mesh import Mesh
 
 COMPRESSIONS = ("none", "fp16", "onebit", "topk", "powersgd")

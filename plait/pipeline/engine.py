@@ -25,11 +25,13 @@ from torch import nn
 
 from plait import comm
 from plait.errors import ConfigError
+from plait.gradsync import GradBucket, GradSync
 from plait.mesh import Mesh
 from plait.pipeline.runtime import PipelineRuntime
 from plait.pipeline.schedules import make_schedule
 from plait.pipeline.simulate import Event
 from plait.pipeline.stage import split_model
+from plait.placement import placement
 
 
 class HeldStages(nn.Module):
@@ -143,9 +145,11 @@ class PipelineEngine:
         else:
             self.optimizer = optimizer(groups)
         # stage 0 over dp: plait's bucketed data parallelism, triggered by the schedule (a stage's
-        # gradients are complete after its last backward) instead of per-parameter hooks
+        # gradients are complete after its last backward) instead of per-parameter hooks; it also
+        # sums gradients partial over tp (sequence parallelism), by their placements
         self.ddp = None
-        if zero_stage == 0 and mesh.size("dp") > 1:
+        partial = any(mesh.size(a) > 1 for q in self.raw.parameters() for a in placement(q).grad_partial)
+        if zero_stage == 0 and (mesh.size("dp") > 1 or partial):
             from plait.data_parallel import DataParallel
 
             self.ddp = DataParallel(
@@ -162,6 +166,21 @@ class PipelineEngine:
         self.shared = [
             (q, self.rank in holders[id(q)]) for q in model.parameters() if len(holders.get(id(q), ())) > 1
         ]
+        # their copies' gradients summed over pp by the gradient synchroniser: every pp rank
+        # takes part, ranks holding none with zeros
+        self._tied = None
+        if self.shared:
+            held = {id(q) for q, h in self.shared if h}
+            bucket = GradBucket(0, [q for q, _ in self.shared], [self.names[id(q)] for q, _ in self.shared])
+
+            def deliver(b, reduced):
+                for i, q in enumerate(b.params):
+                    if id(q) in held:
+                        q.grad = b.view(i).clone()
+
+            self._tied = GradSync(
+                [bucket], mesh, "pp", scale=1.0, trigger="manual", missing="zeros", deliver=deliver
+            )
         self._uncounted = {
             id(q)
             for q in model.parameters()
@@ -179,8 +198,6 @@ class PipelineEngine:
         self._params = {id(q): q for q in self.raw.parameters()}
         self._finished: set[int] = set()
         self._reduced: set[int] = set()
-        self._tp = "tp" if mesh.size("tp") > 1 else None
-        self._synced = False
         self._record = False
 
     # --- one step -----------------------------------------------------------------------------
@@ -193,7 +210,6 @@ class PipelineEngine:
         record, self._record = self._record, False
         self._finished.clear()
         self._reduced.clear()
-        self._synced = False
         inputs, targets = [x for x, _ in micro_batches], [y for _, y in micro_batches]
         with autocast() if autocast is not None else contextlib.nullcontext():
             loss = self.runtime.step(inputs, targets, loss_scale, record=record)
@@ -231,26 +247,11 @@ class PipelineEngine:
     def _sync_grads(self) -> None:
         if self.ddp is not None:
             self.ddp.finish_grads()
-        if self.shared:  # one all-reduce over pp for every shared parameter
-            parts = [
-                q.grad.reshape(-1)
-                if held and q.grad is not None
-                else torch.zeros(q.numel(), device=self.mesh.device)
-                for q, held in self.shared
-            ]
-            flat = comm.all_reduce(torch.cat(parts), self.mesh, "pp")
-            offset = 0
-            for q, held in self.shared:
-                if held:
-                    q.grad = flat[offset : offset + q.numel()].view_as(q).clone()
-                offset += q.numel()
+        if self._tied is not None:  # one all-reduce over pp for every shared parameter
+            self._tied.grads_ready([q for q, held in self.shared if held and q.grad is not None])
+            self._tied.finish()
         if self.zero is not None:  # reduce-scatter over dp; sums partial (sequence-parallel) grads
             self.zero.reduce_grads()
-            return
-        if self._tp:
-            from plait.tensor_parallel import allreduce_sequence_parallel_grads
-
-            allreduce_sequence_parallel_grads(self.raw, self.mesh, self._tp)
 
     # --- evaluation ---------------------------------------------------------------------------
 
@@ -332,7 +333,7 @@ class PipelineEngine:
         return contextlib.nullcontext()
 
     def memory(self) -> dict:
-        from plait.zero.flat import storage_bytes
+        from plait.flat import storage_bytes
 
         if self.zero is not None:  # the schedule's gradients live in .grad until the step's end
             mem = self.zero.memory()

@@ -15,10 +15,10 @@ from torch import nn
 
 from plait.engine import AccumulatingEngine, global_grad_norm
 from plait.errors import ConfigError
+from plait.flat import FlatLayout, Segment, storage_bytes
 from plait.mesh import Mesh
 from plait.placement import gather_full, norm_parts, placement
 from plait.zero.estimate import activation_bytes, estimate_memory, model_state_bytes_formula
-from plait.zero.flat import FlatLayout, Segment, storage_bytes
 from plait.zero.offload_disk import DiskStateOptimizer, OffloadError
 from plait.zero.optimizer import ZeroOptimizer
 from plait.zero.shard import ZeroStage3, default_wrap_policy
@@ -62,22 +62,11 @@ class Stage0(AccumulatingEngine):
         self.raw = module
         self.mesh = mesh
         self.optimizer = factory(param_groups if param_groups is not None else list(module.parameters()))
-        self._tp = "tp" if mesh.size("tp") > 1 else None
-        self._synced = False
-
-    def _sync_tp(self) -> None:
-        """Once per step under tensor parallelism: sum the partial gradients of replicated
-        parameters applied to sequence shards (sequence parallelism) over tp."""
-        if self._tp and not self._synced:
-            from plait.tensor_parallel import allreduce_sequence_parallel_grads
-
-            allreduce_sequence_parallel_grads(self.raw, self.mesh, self._tp)
-            self._synced = True
 
     def grad_norm(self) -> float:
         """The global gradient norm: shards (by their placements) summed over their axes,
-        replicas counted once."""
-        self._sync_tp()
+        replicas counted once. (Gradients partial over tp were summed there by DataParallel's
+        synchroniser, by their placements.)"""
         pairs = [(placement(p), p.grad) for p in self.raw.parameters() if p.grad is not None]
         every = [placement(p) for p in self.raw.parameters()]
         return global_grad_norm(self.mesh, norm_parts(pairs, self.mesh, (), every))
@@ -100,12 +89,10 @@ class Stage0(AccumulatingEngine):
         return self.module.residual_buffers()
 
     def step(self) -> None:
-        self._sync_tp()
         self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        self._synced = False
 
     def no_sync(self):
         return self.module.no_sync()

@@ -18,11 +18,13 @@ all-reduced across `dp_replicate`. Tensor parallelism: parameters whose gradient
 tp (their placement: LayerNorms under sequence parallelism) get buckets of their own, whose
 reduced shards are also summed over tp. Mixed precision: parameters and gradients in the compute
 dtype (bf16), fp32 master shards and optimizer state.
+
+The buckets, hooks, launch order, the reduce-scatter (or a compressor's) and the sums over the
+replicate and tp axes are plait's one gradient synchroniser (`plait.gradsync.GradSync`); this
+module adds the flat parameter buffers, the sharded step and the all-gather.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch import nn
@@ -30,46 +32,21 @@ from torch import nn
 from plait import comm
 from plait.engine import ScalesResiduals
 from plait.errors import ConfigError, DataParallelError
+from plait.flat import storage_bytes
+from plait.gradsync import GradBucket, GradSync, bucket_chunks
 from plait.mesh import Mesh
-from plait.placement import bucket_key, placement
+from plait.placement import bucket_key
 from plait.zero.engine import ShardedEngine
-from plait.zero.flat import FlatLayout, storage_bytes
 from plait.zero.sharded import OptimizerFactory, ShardedOptimizer, ShardGroup
 
 
-class _Bucket:
-    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], n: int, dtype, sums=()):
-        self.index = index
-        self.params = params
-        self.names = names
-        self.sums = sums  # model axes its gradients are partial over (placements): summed there
-        self.layout = FlatLayout(names, [p.shape for p in params], n)
-        device = params[0].device
-        self.flat = self.layout.flatten([p.detach() for p in params], dtype=dtype, device=device)
-        self.grad_buf: torch.Tensor | None = None
-        self.ready: set[int] = set()
-        self.handle = None
-        self.out: torch.Tensor | None = None
+class _Bucket(GradBucket):
+    """A gradient bucket that also holds its parameters: `flat`, the padded flat buffer the
+    module's parameters are views of."""
 
-    def alloc_grad(self) -> torch.Tensor:
-        if self.grad_buf is None:
-            self.grad_buf = torch.zeros(self.layout.padded, dtype=self.flat.dtype, device=self.flat.device)
-        return self.grad_buf
-
-
-class _HookBucket:
-    """A ZeRO bucket as a `plait.comm.compress` compressor reads it (DataParallel's GradBucket
-    interface): its index, parameters, their offsets and the (padded) gradient buffer."""
-
-    def __init__(self, bucket: _Bucket):
-        self._bucket = bucket
-        self.index, self.params = bucket.index, bucket.params
-        self.offsets = list(bucket.layout.offsets)
-        self.numel = bucket.layout.padded
-
-    @property
-    def buffer(self) -> torch.Tensor:
-        return self._bucket.alloc_grad()
+    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], n: int, dtype):
+        super().__init__(index, params, names, n, dtype=dtype)
+        self.flat = self.layout.flatten([p.detach() for p in params], dtype=dtype, device=self.device)
 
 
 class ZeroOptimizer(ShardedEngine):
@@ -122,9 +99,6 @@ class ZeroOptimizer(ShardedEngine):
         self.comm_hook = comm_hook
         self.trigger = trigger
         self._names = names or {}
-        self._sync = True
-        self._queued = False
-        self._next_launch = 0
         self.buckets = self._build_buckets(int(bucket_mb * 1e6), compute_dtype)
         self._broadcast()
         groups = []
@@ -134,7 +108,7 @@ class ZeroOptimizer(ShardedEngine):
             if self.master_is_separate:
                 master = master.to(device=self.host, dtype=torch.float32, copy=True)
             # stage 1 keeps the reduced shard inside its full gradient buffer: no extra copy
-            grad = b.alloc_grad()[lo:hi] if stage == 1 else None
+            grad = b.buffer[lo:hi] if stage == 1 else None
             groups.append(
                 ShardGroup(b.layout, self.rank, master, compute_dtype, grad=grad, device=mesh.device)
             )
@@ -155,13 +129,20 @@ class ZeroOptimizer(ShardedEngine):
             delayed_update=delayed_update,
         )
         self.optimizer = self.shards.optimizer
-        self._where = {}
-        self._hooks = []
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                self._where[id(p)] = (b, i)
-                if trigger == "hook":
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.sync = GradSync(
+            self.buckets,
+            mesh,
+            shard_axis,
+            reduce="reduce_scatter",
+            comm_hook=comm_hook,
+            scale=self.scale,
+            accumulate=True,
+            trigger=trigger,
+            replicate_axis=replicate_axis,
+            missing="zeros" if allow_unused else "error",
+            deliver=self._deliver,
+            check=self._check_once,
+        )
 
     def _build_buckets(self, capacity: int, dtype) -> list[_Bucket]:
         names = {id(p): self._names.get(id(p), n) for n, p in self.module.named_parameters()}
@@ -169,24 +150,13 @@ class ZeroOptimizer(ShardedEngine):
         if not params:
             raise ConfigError("the module has no trainable parameters to shard")
         lossy = self.comm_hook is not None  # a compressor: one placement per bucket
-        key = lambda p: bucket_key(p, self.mesh, lossy)  # noqa: E731  partial gradients apart
-        chunks, current, size = [], [], 0
-        for p in reversed(params):  # reverse registration order ~ the order gradients are ready
-            nbytes = p.numel() * torch.finfo(dtype).bits // 8
-            if current and (size + nbytes > capacity or key(p) != key(current[0])):
-                chunks.append(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        chunks.append(current)
-        return [
-            _Bucket(i, ps, [names[id(p)] for p in ps], self.n, dtype, self._sums(ps[0]))
-            for i, ps in enumerate(chunks)
-        ]
-
-    def _sums(self, p: nn.Parameter) -> tuple[str, ...]:
-        """The model axes (of size > 1) over which `p`'s gradient is partial (its placement)."""
-        return tuple(a for a in placement(p).grad_partial if self.mesh.size(a) > 1)
+        chunks = bucket_chunks(
+            list(reversed(params)),  # reverse registration order ~ the order gradients are ready
+            capacity,
+            key=lambda p: bucket_key(p, self.mesh, lossy),  # partial gradients apart
+            nbytes=lambda p: p.numel() * torch.finfo(dtype).bits // 8,
+        )
+        return [_Bucket(i, ps, [names[id(p)] for p in ps], self.n, dtype) for i, ps in enumerate(chunks)]
 
     @torch.no_grad()
     def _broadcast(self) -> None:
@@ -203,85 +173,27 @@ class ZeroOptimizer(ShardedEngine):
         """The manual trigger (`trigger="manual"`, a pipeline's: its schedule writes the
         gradients itself, some outside autograd's hooks): take every parameter's accumulated
         `.grad` into its bucket and reduce the buckets, in bucket order."""
-        for b in self.buckets:
-            for p in b.params:
-                if p.grad is not None:
-                    self._on_grad(p)
-        self._finish_backward()
+        self.sync.grads_ready([p for b in self.buckets for p in b.params if p.grad is not None])
+        self.sync.finish()
 
-    def _on_grad(self, p: nn.Parameter) -> None:
-        if not self._queued and self.trigger == "hook":
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        b, i = self._where[id(p)]
-        if self._sync and i in b.ready:
-            raise DataParallelError(
-                f"parameter {b.names[i]} received its gradient twice in one backward; call backward "
-                "once per forward (use no_sync() for accumulation)"
-            )
-        off, k = b.layout.offsets[i], b.layout.numels[i]
-        b.alloc_grad()[off : off + k].add_(p.grad.reshape(-1), alpha=self.scale)
-        p.grad = None  # the bucket holds it now
-        if self._sync:
-            b.ready.add(i)
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
-            if len(b.ready) < len(b.params):
-                return
-            b.out = torch.empty(b.layout.shard_numel, dtype=b.grad_buf.dtype, device=b.grad_buf.device)
-            if self.comm_hook is None:
-                b.handle = comm.reduce_scatter(b.out, b.grad_buf, self.mesh, self.shard_axis, async_op=True)
-            else:  # a compressor (plait.comm.compress) in place of the reduce-scatter
-                lo, hi = b.layout.shard_range(self.rank)
-                b.handle = self.comm_hook.reduce_scatter(
-                    _HookBucket(b), b.out, lo, hi, self.mesh, self.shard_axis
-                )
-            self._next_launch += 1
-
-    def _finish_backward(self) -> None:
-        self._queued = False
-        if not self._sync:
-            return
+    def _check_once(self) -> None:
         if self.stage == 1 and self._reduced:
-            self._reset()
             raise DataParallelError(
                 "ZeRO-1 reduces the full gradient once per step: a second synchronised backward came "
                 "before step()/zero_grad(); accumulate micro-batches inside no_sync()"
             )
-        missing = [b.names[i] for b in self.buckets for i in range(len(b.params)) if i not in b.ready]
-        if missing and not self.allow_unused:
-            self._reset()
-            raise DataParallelError(
-                f"{len(missing)} parameter(s) received no gradient in this backward: "
-                f"{', '.join(missing[:8])}. Make every parameter take part in the loss or pass "
-                "allow_unused=True"
-            )
-        for b in self.buckets:
-            b.alloc_grad()
-            b.ready.update(range(len(b.params)))
-        self._launch_ready()
-        for b, g in zip(self.buckets, self.shards.groups, strict=True):
-            b.handle.wait()
-            for axis in ((self.replicate_axis,) if self.replicate_axis else ()) + b.sums:
-                comm.all_reduce(b.out, self.mesh, axis)
-            if self.stage == 2:
-                g.grad.add_(b.out)
-                b.grad_buf = None
-            else:  # the buffer is clean for the next step except for this rank's reduced shard
-                b.grad_buf.zero_()
-                g.grad.copy_(b.out)
-        self._reduced = True
-        self._reset()
 
-    def _reset(self) -> None:
-        for b in self.buckets:
-            b.ready.clear()
-            b.handle = None
-            b.out = None
-        self._next_launch = 0
+    def _deliver(self, b: _Bucket, shard: torch.Tensor) -> None:
+        """A bucket's reduced shard becomes (stage 1) or is added to (stage 2) the gradient
+        shard the optimizer steps."""
+        g = self.shards.groups[b.index]
+        if self.stage == 2:
+            g.grad.add_(shard)
+            b.release()
+        else:  # the buffer is clean for the next step except for this rank's reduced shard
+            b.buffer.zero_()
+            g.grad.copy_(shard)
+        self._reduced = True
 
     # --- step -------------------------------------------------------------------------------
 
@@ -303,31 +215,26 @@ class ZeroOptimizer(ShardedEngine):
         checkpoints; None without an error-feedback compressor."""
         if not hasattr(self.comm_hook, "state_tensors"):
             return None
-        return self.comm_hook.state_tensors([_HookBucket(b) for b in self.buckets])
+        return self.comm_hook.state_tensors(self.buckets)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.shards.zero_grad()
         self._reduced = False
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients in the full bucket buffers without communicating (stage 2 then
         holds full gradients until the next synchronised backward)."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
+        return self.sync.no_sync()
 
     def memory(self) -> dict:
         """Model-state bytes held by this rank, counted from tensor storage."""
         params = storage_bytes([b.flat for b in self.buckets])
-        grads = storage_bytes([b.grad_buf for b in self.buckets] + [g.grad for g in self.shards.groups])
+        grads = storage_bytes(
+            [b.buffer for b in self.buckets if b.allocated] + [g.grad for g in self.shards.groups]
+        )
         optim = self.shards.optimizer_bytes(self.master_is_separate)
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        self.sync.remove_hooks()
         super().close()

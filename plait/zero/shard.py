@@ -19,7 +19,9 @@ Per step: all-gather Ψ (forward) + all-gather Ψ (backward) + reduce-scatter Ψ
 Hybrid sharding shards within `dp_shard` and all-reduces the gradient shards across
 `dp_replicate`. Under tensor parallelism the parts of a shard whose parameters' gradients are
 partial over tp (placements: sequence-parallel LayerNorms) are summed over tp, one all-reduce per
-unit. The optimizer side (master shards, step, offload) is `ShardedOptimizer`.
+unit. The reduce-scatters and those sums are plait's one gradient synchroniser
+(`plait.gradsync.GradSync`, one bucket per unit, launched as autograd completes each unit). The
+optimizer side (master shards, step, offload) is `ShardedOptimizer`.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from plait import comm
 from plait.errors import ConfigError
+from plait.flat import alloc_storage, free_storage, storage_bytes
+from plait.gradsync import GradBucket, GradSync
 from plait.mesh import Mesh
-from plait.placement import placement
 from plait.zero.engine import ShardedEngine
-from plait.zero.flat import FlatLayout, alloc_storage, free_storage, storage_bytes
 from plait.zero.sharded import OptimizerFactory, ShardedOptimizer, ShardGroup
 
 WrapPolicy = Callable[[str, nn.Module], bool]
@@ -57,7 +59,7 @@ def _in_backward() -> bool:
 class _Unit:
     """One wrapping unit: its flat parameter, shard and hooks."""
 
-    def __init__(self, engine: ZeroStage3, name: str, module: nn.Module, owned: list[tuple]):
+    def __init__(self, engine: ZeroStage3, index: int, name: str, module: nn.Module, owned: list[tuple]):
         self.engine = engine
         self.name = name or "<root>"
         self.module = module
@@ -65,20 +67,15 @@ class _Unit:
         self.params = [p for p, _, _ in owned]
         self.slots = [slots for _, _, slots in owned]
         names = [fqn for _, fqn, _ in owned]
-        self.layout = FlatLayout(names, [p.shape for p in self.params], engine.n)
         dev = engine.mesh.device
+        # the unit's gradient, reduced by the engine's GradSync (partial runs by placements)
+        self.bucket = GradBucket(index, self.params, names, engine.n, dtype=engine.compute_dtype, device=dev)
+        self.layout = self.bucket.layout
         full = self.layout.flatten(self.params, dtype=torch.float32, device=dev)
         comm.broadcast(full, engine.mesh, "dp", src=0)  # every replica starts from rank 0's values
         lo, hi = self.layout.shard_range(engine.rank)
         master = full[lo:hi].to(device=engine.host, copy=True)
         self.group = ShardGroup(self.layout, engine.rank, master, engine.compute_dtype, device=dev)
-        # this rank's gradient runs whose parameters' gradients are partial over model axes
-        # (their placements: sequence-parallel LayerNorms over tp), by those axes
-        self.sums: dict[tuple[str, ...], list[tuple[int, int]]] = {}
-        for seg in self.group.segments:
-            axes = tuple(a for a in placement(self.params[seg.index]).grad_partial if engine.mesh.size(a) > 1)
-            if axes and seg.length:
-                self.sums.setdefault(axes, []).append((seg.shard_offset, seg.length))
         # the compute-dtype shard that is gathered (the master itself in fp32 on the device)
         self.shard = master if not engine.master_is_separate else full[lo:hi].to(engine.compute_dtype)
         del full
@@ -87,7 +84,6 @@ class _Unit:
         free_storage(self.flat)
         self.gathered = False
         self.handle = None  # an all-gather in flight (prefetch)
-        self.rs = None  # (handle, output shard, gradient being reduced) of the reduce-scatter
         # the module's parameters become views of the (freed) buffer: usable inside the unit's
         # forward, which gathers first
         for v, slots in zip(placeholders, self.slots, strict=True):
@@ -151,32 +147,15 @@ class _Unit:
         self.engine.prefetch_before(self)
 
     def _on_grad(self, flat: torch.Tensor) -> None:
-        e = self.engine
         g = flat.grad
         flat.grad = None
-        g.mul_(e.scale)
-        out = torch.empty(self.layout.shard_numel, dtype=g.dtype, device=g.device)
-        self.rs = (comm.reduce_scatter(out, g, e.mesh, e.shard_axis, async_op=True), out, g)
+        self.engine.sync.bucket_ready(self.bucket, g)  # its reduce-scatter starts
         self.free()
 
-    def finish_grad(self) -> None:
-        if self.rs is None:
-            return
-        handle, out, _ = self.rs
-        handle.wait()
-        self.rs = None
-        mesh = self.engine.mesh
-        if self.engine.replicate_axis:
-            comm.all_reduce(out, mesh, self.engine.replicate_axis)
-        for axes, runs in self.sums.items():
-            part = torch.cat([out[o : o + k] for o, k in runs])
-            for axis in axes:
-                comm.all_reduce(part, mesh, axis)
-            offset = 0
-            for o, k in runs:
-                out[o : o + k].copy_(part[offset : offset + k])
-                offset += k
-        self.group.grad.add_(out)
+    def deliver(self, shard: torch.Tensor) -> None:
+        """The unit's reduced gradient shard: added to the shard the optimizer steps."""
+        self.group.grad.add_(shard)
+        self.bucket.release()
 
 
 def _tensors(obj):
@@ -238,6 +217,18 @@ class ZeroStage3(ShardedEngine):
             delayed_update=delayed_update,
         )
         self.optimizer = self.shards.optimizer
+        self.sync = GradSync(
+            [u.bucket for u in self.units],
+            mesh,
+            shard_axis,
+            reduce="reduce_scatter",
+            scale=self.scale,
+            trigger="manual",  # each unit's hook hands its flat gradient over
+            ordered=False,  # autograd completes units in one order on every rank
+            replicate_axis=replicate_axis,
+            missing="skip",  # a unit no gradient reached this backward
+            deliver=lambda b, shard: self.units[b.index].deliver(shard),
+        )
         for u in self.units:  # the original parameters' memory now lives in the shards
             for p in u.params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -274,7 +265,7 @@ class ZeroStage3(ShardedEngine):
             if not owned:
                 continue
             module = self.module if uname == "" else modules[uname]
-            u = _Unit(self, uname, module, owned)
+            u = _Unit(self, len(units), uname, module, owned)
             module.register_forward_pre_hook(u.pre_forward)
             module.register_forward_hook(u.post_forward)
             units.append(u)
@@ -315,8 +306,8 @@ class ZeroStage3(ShardedEngine):
     def _finish_backward(self) -> None:
         self._queued = False
         self._order_done = self._order_done or bool(self._order)
+        self.sync.finish()
         for u in self.units:
-            u.finish_grad()
             u.free()
 
     # --- step -------------------------------------------------------------------------------

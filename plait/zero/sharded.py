@@ -2,7 +2,7 @@
 
 Each rank steps only its shard of each flat group (ZeRO's P_os, §5.1): the fp32 master shard,
 the reduced gradient shard and the optimizer state of that shard. The wrapped torch optimizer
-sees one tensor per parameter (its *segment* of the shard, see `plait.zero.flat`), in the same
+sees one tensor per parameter (its *segment* of the shard, see `plait.flat`), in the same
 order on every rank, so any torch.optim optimizer works unchanged, parameter groups keep their
 options, and LAMB/LARS get whole-layer norms with `plait.optim.allreduce_norms`.
 
@@ -24,9 +24,9 @@ import torch
 
 from plait import comm
 from plait.errors import ConfigError
+from plait.flat import FlatLayout, storage_bytes
 from plait.mesh import Mesh
 from plait.placement import REPLICATED, gather_full, norm_parts, placement
-from plait.zero.flat import FlatLayout, storage_bytes
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 OFFLOADS = ("none", "cpu", "disk")
