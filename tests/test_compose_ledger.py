@@ -237,16 +237,14 @@ def _norm(rows: dict, kinds: list, data_axes: tuple[str, ...]) -> None:
 
 def _sequence_parallel_grads(rows: dict, groups: list[dict], stage: int) -> int:
     """This rank's reduced ZeRO shard of the parameters whose gradient is partial over tp is
-    summed over tp: stages 1-2 keep them in buckets of their own, whose whole shard (padding
-    included) is all-reduced; stage 3 all-reduces, per unit, the concatenated runs of them that
-    this dp rank's shard holds. Returns the elements summed."""
+    summed over tp: the gradient synchroniser all-reduces, per bucket (a ZeRO-3 unit), the
+    concatenated runs of them that this dp rank's shard holds, padding not included (stages 1-2
+    keep them in buckets of their own). Returns the elements summed."""
     count = elems = 0
     for g in groups:
-        if stage == 3:
-            k = sum(n for n, partial in zip(g["seg_lengths"], g["partial"]) if partial)
-        else:
+        if stage != 3:
             assert len(set(g["partial"])) == 1, "a ZeRO-1/2 bucket mixes partial and whole gradients"
-            k = g["shard_numel"] if g["partial"][0] else 0
+        k = sum(n for n, partial in zip(g["seg_lengths"], g["partial"]) if partial)
         if k:
             count, elems = count + 1, elems + k
     if count:
