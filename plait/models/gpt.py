@@ -265,9 +265,9 @@ class GPT(nn.Module):
         return list(self.blocks)
 
     def pipeline_split(self, n_stages: int, split="uniform") -> list[nn.Module]:
-        """Cut into `n_stages` pipeline stages by blocks (plait.pipeline.stage.split_gpt): the
-        embeddings with the first, the final LayerNorm, head and loss with the last."""
-        from plait.pipeline.stage import split_gpt
+        """Cut into `n_stages` pipeline stages by blocks (plait.models.gpt_parallel.split_gpt):
+        the embeddings with the first, the final LayerNorm, head and loss with the last."""
+        from plait.models.gpt_parallel import split_gpt
 
         return split_gpt(self, n_stages, split)
 
