@@ -1,8 +1,10 @@
-"""How plait's GPT is cut for parallelism: its pipeline stages.
+"""How plait's GPT is cut for parallelism: its pipeline stages and its tensor-parallel plan.
 
-`plait.models.gpt` stays plain PyTorch; its ``pipeline_split`` delegates here. This module
-is the GPT-specific half: which modules go with which stage. The generic half (the boundary
-computation, the engine, the runtime) lives in `plait.pipeline` and knows no model.
+`plait.models.gpt` stays plain PyTorch; its ``pipeline_split`` and ``tp_plan`` delegate here.
+This module is the GPT-specific half: which modules go with which pipeline stage, and how each
+layer is split over tp. The generic halves (the boundary computation, the pipeline engine and
+runtime; `apply_tp` and its styles) live in `plait.pipeline` and `plait.tensor_parallel` and
+know no particular model.
 
 `split_gpt` cuts a GPT into ``n_stages`` stages by transformer blocks: the embeddings go with
 the first stage, the final LayerNorm, the head and the loss with the last. Blocks are divided
@@ -14,6 +16,9 @@ A stage keeps the model's own submodules (no copies) under the model's own names
 ``stage.named_parameters()`` yields ``blocks.3.attn.qkv.weight`` as the whole model would and
 checkpoints stay layout-free. With tied embedding and head the first and the last stage share
 one Parameter (the pipeline engine sums its gradients when they live on different ranks).
+
+`gpt_plan` is Megatron-LM's tensor-parallel split of the GPT (Shoeybi et al. 2019, §3), with
+sequence parallelism (Korthikanti et al. 2022) on the LayerNorms, dropouts and positions.
 """
 
 from __future__ import annotations
@@ -24,6 +29,15 @@ import torch
 from torch import nn
 
 from plait.pipeline.stage import stage_bounds
+from plait.tensor_parallel.apply import (
+    Colwise,
+    ParallelRandom,
+    PositionSharded,
+    Rowwise,
+    SequenceSharded,
+    VocabEmbedding,
+    VocabHead,
+)
 
 
 class GPTStage(nn.Module):
@@ -86,3 +100,27 @@ def split_gpt(model, n_stages: int, split: str | Callable = "uniform") -> list[G
         last=[("ln_f", model.ln_f), *head],
     )
     return [GPTStage(model, i, n_stages, bounds[i], bounds[i + 1]) for i in range(n_stages)]
+
+
+def gpt_plan(tie_weights: bool = True) -> dict:
+    """Megatron-LM's tensor-parallel split of plait's GPT (`plait.tensor_parallel.apply_tp`):
+    heads (qkv column, projection row), MLP (column then row), vocabulary-parallel embedding and
+    head (sharing the embedding's shard when `tie_weights`); with sequence parallelism the
+    LayerNorms, dropouts and position embedding work on sequence shards. The named dims ("vocab",
+    "heads", "d_ff") are what layout rules map. `GPT.tp_plan()` returns this for its config."""
+    return {
+        "wte": VocabEmbedding(dim="vocab"),
+        "wpe": PositionSharded(),
+        "drop": SequenceSharded(),
+        "blocks.*.ln_1": SequenceSharded(),
+        "blocks.*.attn.qkv": Colwise(fused=3, dim="heads"),
+        "blocks.*.attn.core": ParallelRandom(dim="heads"),
+        "blocks.*.attn.proj": Rowwise(dim="heads"),
+        "blocks.*.attn.resid_dropout": SequenceSharded(),
+        "blocks.*.ln_2": SequenceSharded(),
+        "blocks.*.mlp.fc": Colwise(dim="d_ff"),
+        "blocks.*.mlp.proj": Rowwise(dim="d_ff"),
+        "blocks.*.mlp.dropout": SequenceSharded(),
+        "ln_f": SequenceSharded(),
+        "lm_head": VocabHead(tie="wte" if tie_weights else None, dim="vocab"),
+    }
