@@ -8,8 +8,8 @@ What is measured (one job of 2 gloo ranks on the CPU, one compute thread per ran
   two stages on different ranks, and plait would add one all-reduce of the [V, h] gradient over
   pp; untying makes both sides compute the same function with the same communication.
 
-* **Stages.** Both sides cut the model with `plait.pipeline.stage.split_gpt` into equal stages
-  of consecutive blocks (embeddings with the first, ln_f and head with the last), placed as
+* **Stages.** Both sides cut the model with `plait.models.gpt_parallel.split_gpt` into equal
+  stages of consecutive blocks (embeddings with the first, ln_f and head with the last), placed as
   plait places them: one stage per rank for GPipe, 1F1B and ZB-H1 (stage r on rank r); v = 2
   for interleaved 1F1B (rank r holds stages r and r + 2) and for ZB-V (rank r holds stages r
   and 3 - r, the "V"). The torch side wraps the same `GPTStage` modules in
@@ -190,7 +190,7 @@ def torch_setup(kind: str, tokens: int):
     import torch.distributed.pipelining as pipelining
     from torch.distributed.pipelining import PipelineStage
 
-    from plait.pipeline.stage import split_gpt
+    from plait.models.gpt_parallel import split_gpt
 
     v, cls_name = PLAIT[kind]
     cls = getattr(pipelining, cls_name)
@@ -244,11 +244,11 @@ def torch_compute_order(schedule) -> list[list[tuple[str, int, int]]]:
 def plait_order_setup(order: list[list[tuple[str, int, int]]], mesh, tokens: int):
     """plait's PipelineRuntime executing a given compute order (communication placed by plait's
     add_communication and checked), on the ZB-V placement, with its own AdamW."""
+    from plait.models.gpt_parallel import split_gpt
     from plait.pipeline.check import check_schedule
     from plait.pipeline.ir import Action, Schedule
     from plait.pipeline.runtime import PipelineRuntime
     from plait.pipeline.schedules import add_communication
-    from plait.pipeline.stage import split_gpt
 
     rank = mesh.rank("pp")
     stages = tuple(placement("zb-v", r) for r in range(PP))

@@ -248,3 +248,59 @@ def test_activation_checkpointing_gives_the_same_gradients():
     recomputed(x, x).backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+
+
+def test_gpt_declares_its_own_pipeline_split_and_tensor_parallel_plan():
+    """plait.pipeline and plait.tensor_parallel cut a GPT by what the model declares."""
+    from plait.models.gpt_parallel import GPTStage, gpt_plan
+    from plait.pipeline.stage import split_model
+    from plait.tensor_parallel import VocabHead, apply_tp
+
+    stages = split_model(_tiny(n_layer=4), 2)
+    assert [type(s) for s in stages] == [GPTStage, GPTStage]
+    assert [(s.lo, s.hi) for s in stages] == [(0, 2), (2, 4)]
+    for tie in (True, False):
+        plan = _tiny(tie_weights=tie).tp_plan()
+        assert plan == gpt_plan(tie)
+        assert plan["lm_head"] == VocabHead(tie="wte" if tie else None, dim="vocab")
+    with pytest.raises(ConfigError, match="declares no tensor-parallel plan.*tp_plan"):
+        apply_tp(nn.Sequential(nn.Linear(4, 4)), mesh=None)
+
+
+def test_pipeline_and_tensor_parallel_name_no_gpt_layer():
+    """No module of plait.pipeline or plait.tensor_parallel imports plait.models or names a
+    GPT layer or config field in its code (docstrings and comments aside): the GPT's cuts live
+    in plait.models.gpt_parallel."""
+    import ast
+    import pkgutil
+    import subprocess
+    import sys
+    import tokenize
+    from pathlib import Path
+
+    import plait.pipeline
+    import plait.tensor_parallel
+
+    packages = (plait.pipeline, plait.tensor_parallel)
+    modules = [f"{p.__name__}.{m.name}" for p in packages for m in pkgutil.iter_modules(p.__path__)]
+    code = f"import sys, {', '.join(modules)}; print([m for m in sys.modules if 'plait.models' in m])"
+    root = Path(plait.pipeline.__file__).parents[2]  # run the same checkout's plait
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    out = out.stdout
+    assert out.strip() == "[]", f"importing {modules} imported {out.strip()}"
+
+    gpt_names = {"wte", "wpe", "lm_head", "ln_f", "ln_1", "ln_2", "qkv", "n_layer", "tie_weights"}
+    gpt_names |= {"GPT", "GPTConfig", "GPTStage", "gpt_config", "split_gpt", "gpt_plan"}
+    found = []
+    for path in sorted(f for p in packages for f in Path(p.__path__[0]).glob("*.py")):
+        with open(path, "rb") as fh:
+            for tok in tokenize.tokenize(fh.readline):
+                word = tok.string
+                if tok.type == tokenize.STRING:
+                    try:
+                        word = ast.literal_eval(tok.string)
+                    except (ValueError, SyntaxError):
+                        continue
+                if tok.type in (tokenize.NAME, tokenize.STRING) and word in gpt_names:
+                    found.append(f"{path.name}:{tok.start[0]} {tok.string}")
+    assert not found, found

@@ -179,7 +179,7 @@ def test_pipeline_with_data_and_tensor_parallel(ranks_4):
 
 
 def test_split_errors():
-    from plait.pipeline.stage import split_gpt
+    from plait.models.gpt_parallel import split_gpt
 
     model = _model()  # 8 blocks
     with pytest.raises(PipelineError, match=r"not divisible into 3 pipeline stages.*\[1, 2, 4, 8\]"):

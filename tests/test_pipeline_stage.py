@@ -7,7 +7,8 @@ from torch import nn
 
 from plait.errors import PipelineError
 from plait.models import GPT, gpt_config
-from plait.pipeline.stage import balanced_bounds, split_gpt, split_sequential
+from plait.models.gpt_parallel import split_gpt
+from plait.pipeline.stage import balanced_bounds, split_sequential
 from plait.pipeline.wgrad import DeferredLinears, WeightGradStore
 
 
@@ -62,7 +63,7 @@ def test_split_sequential():
     stages = split_sequential(seq, 2, loss_fn)
     with torch.no_grad():
         assert float(stages[1](stages[0](x), t)) == pytest.approx(float(loss_fn(seq(x), t)), rel=1e-6)
-    with pytest.raises(PipelineError, match="not divisible into 2 equal stages"):
+    with pytest.raises(PipelineError, match="not divisible into 2 pipeline stages"):
         split_sequential(seq, 2, loss_fn, split="uniform")
     with pytest.raises(PipelineError, match="cannot cut an nn.Sequential of 5 layers into 6"):
         split_sequential(seq, 6, loss_fn)

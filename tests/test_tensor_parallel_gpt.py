@@ -252,7 +252,8 @@ def test_every_layout_rule_set_follows_one_process(results):
 
 
 def test_bad_layout_rules():
-    from plait.tensor_parallel.apply import _apply_rules, gpt_plan
+    from plait.models.gpt_parallel import gpt_plan
+    from plait.tensor_parallel.apply import _apply_rules
 
     valid = r"valid dims: \['vocab', 'heads', 'd_ff'\]"
     with pytest.raises(ConfigError, match=r"layout rules name \['depth'\].*" + valid):
@@ -260,7 +261,7 @@ def test_bad_layout_rules():
     with pytest.raises(ConfigError, match="a dim goes to 'tp' or None"):
         _apply_rules(gpt_plan(), {"heads": "dp"}, "tp", False)
     with pytest.raises(ConfigError, match=r"sequence parallelism needs every named dim.*\['vocab'\] whole"):
-        _apply_rules(gpt_plan(True), {"vocab": None, "heads": "tp", "d_ff": "tp"}, "tp", True)
+        _apply_rules(gpt_plan(), {"vocab": None, "heads": "tp", "d_ff": "tp"}, "tp", True)
 
 
 @pytest.mark.parametrize("key, t", [("ledger2", 2), ("ledger4", 4), ("ledger4-sp", 4)])

@@ -10,6 +10,10 @@ outside and find the layers by name, so the module names are part of the interfa
 
     wte, wpe, blocks.N.ln_1, blocks.N.attn.qkv, blocks.N.attn.proj,
     blocks.N.ln_2, blocks.N.mlp.fc, blocks.N.mlp.proj, ln_f, lm_head
+
+How the GPT is cut for them (its pipeline stages, its tensor-parallel plan) is in
+`plait.models.gpt_parallel`; ``GPT.pipeline_split`` and ``GPT.tp_plan`` return those cuts to
+the generic `plait.pipeline` and `plait.tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -265,11 +269,18 @@ class GPT(nn.Module):
         return list(self.blocks)
 
     def pipeline_split(self, n_stages: int, split="uniform") -> list[nn.Module]:
-        """Cut into `n_stages` pipeline stages by blocks (plait.pipeline.stage.split_gpt): the
-        embeddings with the first, the final LayerNorm, head and loss with the last."""
-        from plait.pipeline.stage import split_gpt
+        """Cut into `n_stages` pipeline stages by blocks (plait.models.gpt_parallel.split_gpt):
+        the embeddings with the first, the final LayerNorm, head and loss with the last."""
+        from plait.models.gpt_parallel import split_gpt
 
         return split_gpt(self, n_stages, split)
+
+    def tp_plan(self) -> dict:
+        """Megatron-LM's tensor-parallel plan of this GPT (plait.models.gpt_parallel.gpt_plan),
+        tied or untied head as configured: what plait.tensor_parallel.apply_tp uses by default."""
+        from plait.models.gpt_parallel import gpt_plan
+
+        return gpt_plan(self.cfg.tie_weights)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"

@@ -15,7 +15,6 @@ from plait.tensor_parallel.apply import (
     VocabEmbedding,
     VocabHead,
     apply_tp,
-    gpt_plan,
     tp_named_parameters,
     without_sequence_parallel,
 )
@@ -44,7 +43,6 @@ __all__ = [
     "VocabEmbedding",
     "VocabHead",
     "apply_tp",
-    "gpt_plan",
     "tp_named_parameters",
     "without_sequence_parallel",
     "ColumnParallelLinear",

@@ -3,11 +3,11 @@
 A plan maps module names (fnmatch patterns, e.g. ``"blocks.*.mlp.fc"``) to styles:
 
 * `Colwise(fused=1)`: an nn.Linear becomes a `ColumnParallelLinear`. ``fused=k`` says the
-  output features are k blocks laid end to end (GPT's qkv: ``[q | k | v]``): each rank then takes
-  its slice of *each* block, so it holds whole heads of q, k and v.
+  output features are k blocks laid end to end (a fused qkv: ``[q | k | v]``): each rank then
+  takes its slice of *each* block, so it holds whole heads of q, k and v.
 * `Rowwise()`: an nn.Linear becomes a `RowParallelLinear` (its input arrives split).
 * `VocabEmbedding()`: an nn.Embedding becomes a `VocabParallelEmbedding`.
-* `VocabHead(tie="wte")`: the output layer becomes column-parallel over the (padded) vocabulary,
+* `VocabHead(tie=name)`: the output layer becomes column-parallel over the (padded) vocabulary,
   sharing the embedding's shard when the weights are tied; the model's loss becomes the
   vocab-parallel cross-entropy (the logits are never gathered) and the logits it returns without
   targets are gathered.
@@ -16,8 +16,10 @@ A plan maps module names (fnmatch patterns, e.g. ``"blocks.*.mlp.fc"``) to style
 * `SequenceSharded()` (sequence parallelism only): a module applied to sequence shards whose
   parameters stay replicated (LayerNorm): its parameters get partial gradients, summed over tp.
 
-`gpt_plan(sequence_parallel)` is the plan of plait's GPT. Any model built from Linear and
-Embedding layers can be split with a plan of its own, like torch's ``parallelize_module``.
+Nothing here knows a particular model: a model declares its own plan (``model.tp_plan()``,
+which `apply_tp` uses when given none; plait's GPT's is `plait.models.gpt_parallel.gpt_plan`),
+or any model built from Linear and Embedding layers is split by a plan passed in, like torch's
+``parallelize_module``.
 
 Every split parameter gets its placement (`plait.placement`: the shard dim, fused blocks and the
 canonical length, or a gradient partial over tp), which is all the rest of plait reads: gradient
@@ -230,29 +232,6 @@ def _tp_logits(logits, *, mesh, axis, vocab):
     return gather_from_parallel(logits, mesh, axis, dim=-1)[..., :vocab]
 
 
-def gpt_plan(sequence_parallel: bool = False) -> dict:
-    """Megatron-LM's split of plait's GPT: heads (qkv column, projection row), MLP (column then
-    row), vocabulary-parallel embedding and tied head; with sequence parallelism the LayerNorms,
-    dropouts and position embedding work on sequence shards."""
-    plan = {
-        "wte": VocabEmbedding(dim="vocab"),
-        "wpe": PositionSharded(),
-        "drop": SequenceSharded(),
-        "blocks.*.ln_1": SequenceSharded(),
-        "blocks.*.attn.qkv": Colwise(fused=3, dim="heads"),
-        "blocks.*.attn.core": ParallelRandom(dim="heads"),
-        "blocks.*.attn.proj": Rowwise(dim="heads"),
-        "blocks.*.attn.resid_dropout": SequenceSharded(),
-        "blocks.*.ln_2": SequenceSharded(),
-        "blocks.*.mlp.fc": Colwise(dim="d_ff"),
-        "blocks.*.mlp.proj": Rowwise(dim="d_ff"),
-        "blocks.*.mlp.dropout": SequenceSharded(),
-        "ln_f": SequenceSharded(),
-        "lm_head": VocabHead(tie="wte", dim="vocab"),
-    }
-    return plan
-
-
 def apply_tp(
     model: nn.Module,
     mesh: Mesh,
@@ -265,20 +244,23 @@ def apply_tp(
 ) -> nn.Module:
     """Split `model` (identical on every rank of `axis`) over `axis` by `plan`, in place.
 
-    `plan` defaults to `gpt_plan(sequence_parallel)`; an untied GPT head is detected. Modules are
-    replaced in plan order (the embedding before a head tied to it). `seed` seeds the per-rank
-    random stream (`ParallelRNG`) used by `ParallelRandom` and sharded dropouts. Returns `model`.
+    `plan` defaults to the model's own, ``model.tp_plan()`` (plait's GPT declares one, in
+    `plait.models.gpt_parallel`); a model without one needs a `plan`. Modules are replaced in
+    plan order (the embedding before a head tied to it). `seed` seeds the per-rank random
+    stream (`ParallelRNG`) used by `ParallelRandom` and sharded dropouts. Returns `model`.
 
-    `rules` are Mesh-TensorFlow layout rules: which named tensor dims of the plan (GPT's "vocab",
-    "heads", "d_ff") are split over `axis`; a dim mapped to None stays whole, and its styles are
-    skipped (those layers stay replicated). Default: every named dim over `axis` (Megatron-LM's
-    split). Sequence parallelism needs every named dim split.
+    `rules` are Mesh-TensorFlow layout rules: which named tensor dims of the plan (for plait's
+    GPT "vocab", "heads", "d_ff") are split over `axis`; a dim mapped to None stays whole, and
+    its styles are skipped (those layers stay replicated). Default: every named dim over `axis`
+    (Megatron-LM's split). Sequence parallelism needs every named dim split.
     """
     if plan is None:
-        plan = gpt_plan(sequence_parallel)
-        tied = getattr(getattr(model, "cfg", None), "tie_weights", True)
-        if not tied:
-            plan["lm_head"] = VocabHead(tie=None, dim="vocab")
+        if not callable(getattr(model, "tp_plan", None)):
+            raise ConfigError(
+                f"apply_tp: a {type(model).__name__} declares no tensor-parallel plan: pass plan={{module "
+                "name pattern: style}} or give the model a tp_plan() method returning one"
+            )
+        plan = model.tp_plan()
     plan = _apply_rules(plan, rules, axis, sequence_parallel)
     rng = ParallelRNG(seed, mesh.rank(axis), mesh.device)
     ctx = _Ctx(mesh, axis, sequence_parallel, seq_dim, rng, model)
