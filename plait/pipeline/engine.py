@@ -1,4 +1,4 @@
-"""Pipeline-parallel training of a GPT behind the engine interface of plait.zero.
+"""Pipeline-parallel training of any model that can be cut into stages, behind the engine interface.
 
 `PipelineEngine` cuts the model into ``pp x virtual_stages`` stages (plait.pipeline.stage),
 keeps this rank's, runs the configured schedule (plait.pipeline.runtime) and makes the
