@@ -144,9 +144,15 @@ def _pipeline(mesh, sp=False, sgd=False, kind="1f1b", m=2, zero=1, hook=None):
         engine.step()
         engine.zero_grad()
         losses.append(comm.all_reduce_scalar(float(loss_sum), mesh, ("pp", "dp")) / (BATCH * 32))
+    # model-state bytes between steps, and the parameters' bytes of this rank's stages, whole
+    held = {
+        "memory": engine.memory(),
+        "stage_bytes": sum(q.numel() * 4 for q in engine.raw.parameters()),
+        "shard_bytes": sum(b.layout.shard_numel * 4 for b in engine.zero.buckets) if engine.zero else 0,
+    }
     params = engine.full_parameters()
     engine.close()
-    return {"losses": losses, "grad_norms": norms, "params": params}
+    return {"losses": losses, "grad_norms": norms, "params": params, **held}
 
 
 def _tied_sequential():
@@ -223,6 +229,8 @@ def _all_4():
     out["pp2-dp2-z1-zbh1-sgd"] = _pipeline(mesh, sgd=True, kind="zb-h1")
     out["sequential:pp2-dp2-z1"] = _sequential_pipeline(mesh)
     out["pp2-dp2-z2-sgd"] = _pipeline(mesh, sgd=True, zero=2)
+    out["pp2-dp2-z3"] = _pipeline(mesh, zero=3)
+    out["pp2-dp2-z3-zbh1-sgd"] = _pipeline(mesh, sgd=True, kind="zb-h1", zero=3)
     # compression in a pipeline, by data parallelism (stage 0) or ZeRO-1's reduce-scatter
     out["pp2-dp2-topk-all"] = _pipeline(mesh, zero=0, hook="topk-all")
     out["pp2-dp2-z1-topk-all"] = _pipeline(mesh, hook="topk-all")
@@ -247,6 +255,7 @@ def _all_8():
     mesh.close()
     mesh = Mesh(pp=2, dp=2, tp=2, timeout_s=300)
     out["pp2-dp2-tp2-z1-sp"] = _pipeline(mesh, sp=True)
+    out["pp2-dp2-tp2-z3-sp"] = _pipeline(mesh, sp=True, zero=3)
     mesh.close()
     return out
 
@@ -296,6 +305,9 @@ NAMES = [
     "z2-tp2-sp-topk-all",
     "sequential:pp2-dp2-z1",
     "pp2-dp2-z2-sgd",
+    "pp2-dp2-z3",
+    "pp2-dp2-z3-zbh1-sgd",
+    "pp2-dp2-tp2-z3-sp",
 ]
 
 
@@ -308,6 +320,15 @@ def test_composition_follows_one_process(results, reference, name):
     assert_close_losses(res["losses"], losses, atol=1e-5, what=name)
     want = {k: v for k, v in params.items() if k != "lm_head.weight"}  # GPT's is wte.weight
     assert_close_params(res["params"], want, atol=1e-5, what=name)
+
+
+def test_pipeline_zero3_keeps_only_parameter_shards_between_steps(results):
+    """ZeRO-3 within pipeline stages: between steps a rank holds its 1/dp shard of its stages'
+    parameters (padding aside), where ZeRO-1 holds them whole."""
+    z1, z3 = results["pp2-dp2-z1"], results["pp2-dp2-z3"]
+    assert z1["memory"]["params"] >= z1["stage_bytes"], z1["memory"]
+    assert z3["memory"]["params"] == z3["shard_bytes"], (z3["memory"], z3["shard_bytes"])
+    assert 0 <= 2 * z3["shard_bytes"] - z3["stage_bytes"] < 64, (z3["shard_bytes"], z3["stage_bytes"])
 
 
 @pytest.mark.parametrize("name", ["lossy:pp2-dp2-onebit", "lossy:tp2-dp2-sp-onebit", "lossy:z1-tp2-onebit"])

@@ -18,7 +18,7 @@ bus bytes, what the formulas of its parts give from the model's shapes, with not
   them summed over tp: one all-reduce per such bucket (stages 1-2) or unit (stage 3);
 * the global gradient norm (clipping): one all-reduce over dp of a float64 per norm part (the
   tp-replicated and the tp-sharded parameters) and one over tp of the sharded part's float64;
-* pp2 x dp2 with ZeRO-1 within the stages: per pipeline rank 2Ψ_stage over dp, each micro-batch's
+* pp2 x dp2 with ZeRO-1 or ZeRO-3 within the stages: per pipeline rank 2Ψ_stage over dp, each micro-batch's
   activation forward and its gradient backward over pp (b·s·h fp32 each way per micro-batch at
   the one boundary), the tied embedding's gradient all-reduced over pp, the norm over dp and pp.
 
@@ -117,7 +117,7 @@ def _zero_tp(mesh, stage: int, sp: bool, n_layer: int) -> dict:
     return out
 
 
-def _pipeline(mesh) -> dict:
+def _pipeline(mesh, zero: int) -> dict:
     from plait.pipeline.engine import PipelineEngine
 
     engine = PipelineEngine(
@@ -127,7 +127,7 @@ def _pipeline(mesh) -> dict:
         schedule="1f1b",
         microbatches=MICRO,
         param_groups=lambda mod: param_groups(mod, 0.1),
-        zero_stage=1,
+        zero_stage=zero,
     )
     local_numel = sum(p.numel() for p in engine.raw.parameters())  # this pipeline rank's stage
     mesh.ledger.clear()
@@ -163,7 +163,8 @@ def _run(world: int):
     mesh.close()
     if world == PP * 2:
         mesh = Mesh(pp=PP, dp=2, timeout_s=120)
-        out["pp2-dp2-z1"] = _pipeline(mesh)
+        out["pp2-dp2-z1"] = _pipeline(mesh, 1)
+        out["pp2-dp2-z3"] = _pipeline(mesh, 3)
         mesh.close()
     return out
 
@@ -333,15 +334,18 @@ def test_sequence_parallel_moves_the_same_activation_volume(request, stage):
         assert pairs == pytest.approx(all_reduces)
 
 
-def test_pipeline_zero1_ledger_is_the_sum_of_the_formulas(results_4):
-    """pp2 x dp2, ZeRO-1 within the stages, 1F1B with 2 micro-batches, per pipeline rank: 2Ψ_stage
-    over dp; each micro-batch's b·s·h activation sent forward and its gradient sent back over
-    pp; the tied embedding/head gradient (V x h) all-reduced over pp; the norm over dp and pp."""
+@pytest.mark.parametrize("name", ["pp2-dp2-z1", "pp2-dp2-z3"])
+def test_pipeline_zero_ledger_is_the_sum_of_the_formulas(results_4, name):
+    """pp2 x dp2, ZeRO-1 or ZeRO-3 within the stages, 1F1B with 2 micro-batches, per pipeline
+    rank: 2Ψ_stage over dp (ZeRO-3 gathers the parameters once per step, at its start, instead
+    of after the step: the same reduce-scatter Ψ + all-gather Ψ); each micro-batch's b·s·h
+    activation sent forward and its gradient sent back over pp; the tied embedding/head
+    gradient (V x h) all-reduced over pp; the norm over dp and pp."""
     cfg = _cfg()
     psis = {}
     for rank, per_rank in enumerate(results_4):
-        res = per_rank["pp2-dp2-z1"]
-        what = f"pp2-dp2-z1 rank {rank}"
+        res = per_rank[name]
+        what = f"{name} rank {rank}"
         _check_layout(res, 2, what)
         want: dict = {}
         psis[rank] = _zero_dp(want, res["groups"], 1)

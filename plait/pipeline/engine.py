@@ -6,9 +6,10 @@ gradients those of single-process training:
 
 - data parallelism (pp x dp): each stage's gradients are averaged over its dp group as soon as
   the stage's last backward (BW or W) of the step has run, while the rest of the schedule goes
-  on; the optimizer waits for them. With ZeRO-1/2 (`zero_stage`) a `ZeroOptimizer` over this
+  on; the optimizer waits for them. With ZeRO (`zero_stage` 1-3) a `ZeroOptimizer` over this
   rank's stages reduce-scatters them at the end of the schedule instead, and each dp rank steps
-  its shard of the optimizer state;
+  its shard of the optimizer state; under ZeRO-3 only the parameter shards are kept between
+  steps, and the stages' parameters are gathered once at the start of the next one;
 - tied embedding and head on different pipeline ranks: the two copies' gradients are summed
   over pp (ranks between them contribute zeros) so both copies stay equal;
 - tensor parallelism (pp x tp): the stages hold the tensor-parallel layers apply_tp made; the
@@ -78,7 +79,10 @@ class PipelineEngine:
             has run), 1 or 2 (ZeRO within each stage: the gradients are reduce-scattered over dp
             at the end of the schedule, each dp rank steps its shard of the optimizer state and
             the parameters are all-gathered; stage 2 keeps only the gradient shard between
-            steps; `zero` holds the ZeroOptimizer).
+            steps; `zero` holds the ZeroOptimizer), or 3 (as 2, and between steps only the
+            parameter shards are kept: they are all-gathered once when the next step starts, not
+            once per micro-batch, so a step moves 2Ψ as ZeRO-2, and peak memory within the step
+            is ZeRO-2's).
         zero_options: more ZeroOptimizer arguments (bucket_mb, shard_axis, replicate_axis).
     """
 
@@ -121,7 +125,7 @@ class PipelineEngine:
         self.runtime.on_stage_done = self._stage_done
         groups = param_groups(self.raw) if param_groups is not None else list(self.raw.parameters())
         self.zero = None
-        if zero_stage in (1, 2):
+        if zero_stage in (1, 2, 3):
             from plait.zero.optimizer import ZeroOptimizer
 
             if not isinstance(groups[0], dict):
@@ -130,7 +134,8 @@ class PipelineEngine:
                 self.raw,
                 mesh,
                 optimizer,
-                stage=zero_stage,
+                stage=min(zero_stage, 2),
+                reshard_after_step=zero_stage == 3,
                 param_groups=groups,
                 trigger="manual",
                 names=self.names,
@@ -141,7 +146,7 @@ class PipelineEngine:
             self.zero.shards.norm_axes = ("pp",)
             self.optimizer = self.zero.optimizer
         elif zero_stage != 0:
-            raise ConfigError(f"zero_stage = {zero_stage} within pipeline stages: valid: 0, 1, 2")
+            raise ConfigError(f"zero_stage = {zero_stage} within pipeline stages: valid: 0, 1, 2, 3")
         else:
             self.optimizer = optimizer(groups)
         # stage 0 over dp: plait's bucketed data parallelism, triggered by the schedule (a stage's
@@ -211,6 +216,8 @@ class PipelineEngine:
         self._finished.clear()
         self._reduced.clear()
         inputs, targets = [x for x, _ in micro_batches], [y for _, y in micro_batches]
+        if self.zero is not None:  # ZeRO-3: the stages' parameters, gathered once for the step
+            self.zero.gather_params()
         with autocast() if autocast is not None else contextlib.nullcontext():
             loss = self.runtime.step(inputs, targets, loss_scale, record=record)
         self._sync_grads()
@@ -262,10 +269,13 @@ class PipelineEngine:
         m = self.schedule.m if x.shape[0] % self.schedule.m == 0 else 1
         was = self.raw.training
         self.raw.eval()
+        gathered = self.zero is not None and self.zero.gather_params()
         try:
             return self.runtime.forward_only(list(x.chunk(m)), list(y.chunk(m)))
         finally:
             self.raw.train(was)
+            if gathered:  # ZeRO-3: back to shards only
+                self.zero.release_params()
 
     # --- timeline -------------------------------------------------------------------------------
 

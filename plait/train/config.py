@@ -486,12 +486,6 @@ def _validate_pipeline(cfg: Config, n_layer: int) -> None:
         f"parallel.microbatches = {m} pipeline micro-batches; use a global_batch multiple of {p.dp * m}",
     )
     _require(
-        p.zero_stage <= 2,
-        f"parallel.pp = {p.pp} with parallel.zero_stage = {p.zero_stage}: within pipeline stages ZeRO "
-        "stages 0-2 are available; stage 3 is not yet (the schedule runs forward, backward and "
-        "zero-bubble's split weight-gradient passes outside ZeRO-3's gather-around-use hooks)",
-    )
-    _require(
         cfg.offload.optimizer == "none",
         f"parallel.pp = {p.pp} with offload.optimizer = {cfg.offload.optimizer!r} is not available yet; "
         "set offload.optimizer = 'none'",

@@ -32,7 +32,7 @@ from torch import nn
 from plait import comm
 from plait.engine import ScalesResiduals
 from plait.errors import ConfigError, DataParallelError
-from plait.flat import storage_bytes
+from plait.flat import alloc_storage, free_storage, storage_bytes
 from plait.gradsync import GradBucket, GradSync, bucket_chunks
 from plait.mesh import Mesh
 from plait.placement import bucket_key
@@ -42,11 +42,12 @@ from plait.zero.sharded import OptimizerFactory, ShardedOptimizer, ShardGroup
 
 class _Bucket(GradBucket):
     """A gradient bucket that also holds its parameters: `flat`, the padded flat buffer the
-    module's parameters are views of."""
+    module's parameters are views of (and, resharded between steps, `shard`: what is gathered)."""
 
     def __init__(self, index: int, params: list[nn.Parameter], names: list[str], n: int, dtype):
         super().__init__(index, params, names, n, dtype=dtype)
         self.flat = self.layout.flatten([p.detach() for p in params], dtype=dtype, device=self.device)
+        self.shard: torch.Tensor | None = None
 
 
 class ZeroOptimizer(ShardedEngine):
@@ -59,6 +60,11 @@ class ZeroOptimizer(ShardedEngine):
     it, overlapping the reduction with backward) or "manual" (the owner calls `reduce_grads()`
     once the step's gradients are complete: a pipeline). `names`: parameter id -> the name
     checkpoints and `full_parameters` use (default: the module's own names).
+
+    `reshard_after_step` (stage 2; ZeRO-3 within pipeline stages): between steps only this rank's
+    parameter shard is kept; `gather_params()` all-gathers them once before the next use and the
+    step frees them again. A pipeline runs many micro-batches through a stage per step, so the
+    parameters are gathered once per step, not once per micro-batch (2Ψ per step, as ZeRO-2).
     """
 
     def __init__(
@@ -79,6 +85,7 @@ class ZeroOptimizer(ShardedEngine):
         comm_hook=None,
         trigger: str = "hook",
         names: dict[int, str] | None = None,
+        reshard_after_step: bool = False,
     ):
         if trigger not in ("hook", "manual"):
             raise ConfigError(f"trigger {trigger!r} is not valid; valid: hook, manual")
@@ -86,8 +93,13 @@ class ZeroOptimizer(ShardedEngine):
             raise ConfigError(f"ZeroOptimizer handles stages 1 and 2, got {stage}")
         if bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be positive, got {bucket_mb}")
+        if reshard_after_step and (stage != 2 or delayed_update):
+            raise ConfigError(
+                "reshard_after_step (ZeRO-3 within pipeline stages) runs on stage 2 without delayed_update"
+            )
         self._init_layout(module, mesh, shard_axis, replicate_axis, compute_dtype, offload, delayed_update)
         self.stage = stage
+        self.reshard = reshard_after_step
         self.allow_unused = allow_unused
         if comm_hook is not None and not hasattr(comm_hook, "reduce_scatter"):
             raise ConfigError(
@@ -105,8 +117,11 @@ class ZeroOptimizer(ShardedEngine):
         for b in self.buckets:
             lo, hi = b.layout.shard_range(self.rank)
             master = b.flat[lo:hi]
-            if self.master_is_separate:
+            if self.master_is_separate or self.reshard:  # (resharded: the flat is freed)
                 master = master.to(device=self.host, dtype=torch.float32, copy=True)
+            if self.reshard:  # what is gathered: the master itself, or its compute-dtype copy
+                same = not self.master_is_separate
+                b.shard = master if same else b.flat[lo:hi].to(compute_dtype, copy=True)
             # stage 1 keeps the reduced shard inside its full gradient buffer: no extra copy
             grad = b.buffer[lo:hi] if stage == 1 else None
             groups.append(
@@ -129,6 +144,8 @@ class ZeroOptimizer(ShardedEngine):
             delayed_update=delayed_update,
         )
         self.optimizer = self.shards.optimizer
+        self._gathered = True
+        self.release_params()
         self.sync = GradSync(
             self.buckets,
             mesh,
@@ -199,12 +216,41 @@ class ZeroOptimizer(ShardedEngine):
 
     @torch.no_grad()
     def _publish(self) -> None:
-        """Copy the updated master shards into the buckets and all-gather them."""
+        """Copy the updated master shards into the buckets and all-gather them (resharded:
+        refresh the shards that are gathered before the next use, and free the parameters)."""
+        if self.reshard:
+            for b, g in zip(self.buckets, self.shards.groups, strict=True):
+                if b.shard is not g.master:
+                    b.shard.copy_(g.master)
+            self.release_params()
+            return
         for b, g in zip(self.buckets, self.shards.groups, strict=True):
             lo, hi = b.layout.shard_range(self.rank)
             if self.master_is_separate:
                 b.flat[lo:hi].copy_(g.master)
             comm.all_gather(b.flat, b.flat[lo:hi].clone(), self.mesh, self.shard_axis)
+
+    @torch.no_grad()
+    def gather_params(self) -> bool:
+        """`reshard_after_step`: all-gather the parameters from the shards before they are used
+        (a pipeline's step, an evaluation). Returns whether it gathered (they were free)."""
+        if not self.reshard or self._gathered:
+            return False
+        handles = []
+        for b in self.buckets:
+            alloc_storage(b.flat)
+            handles.append(comm.all_gather(b.flat, b.shard, self.mesh, self.shard_axis, async_op=True))
+        for h in handles:
+            h.wait()
+        self._gathered = True
+        return True
+
+    def release_params(self) -> None:
+        """`reshard_after_step`: free the whole parameters; only this rank's shards stay."""
+        if self.reshard and self._gathered:
+            for b in self.buckets:
+                free_storage(b.flat)
+            self._gathered = False
 
     def set_lr_scale(self, scale: float) -> None:
         if isinstance(self.comm_hook, ScalesResiduals):
@@ -228,7 +274,9 @@ class ZeroOptimizer(ShardedEngine):
 
     def memory(self) -> dict:
         """Model-state bytes held by this rank, counted from tensor storage."""
-        params = storage_bytes([b.flat for b in self.buckets])
+        params = storage_bytes(
+            [b.flat for b in self.buckets] + [getattr(b, "shard", None) for b in self.buckets]
+        )
         grads = storage_bytes(
             [b.buffer for b in self.buckets if b.allocated] + [g.grad for g in self.shards.groups]
         )
