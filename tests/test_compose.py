@@ -365,12 +365,12 @@ LAYOUTS = {
     "dp2xtp2-z3-sp": _layout(dp=2, tp=2, zero=3, sp=True),
     "pp2xtp2": _layout(pp=2, tp=2),
     "dp4-z2": _layout(dp=4, zero=2),
-    "pp2xdp2-z1": _layout(pp=2, dp=2, zero=1),
+    "pp2xdp2-z3": _layout(pp=2, dp=2, zero=3),
     "one": _layout(),
     "dp2xtp2-z1": _layout(dp=2, tp=2, zero=1),
 }
 # (saved under, resumed under): the three, each a different mechanism on each side
-RESUMES = [("dp2xtp2-z3-sp", "pp2xdp2-z1"), ("pp2xtp2", "one"), ("dp4-z2", "dp2xtp2-z1")]
+RESUMES = [("dp2xtp2-z3-sp", "pp2xdp2-z3"), ("pp2xtp2", "one"), ("dp4-z2", "dp2xtp2-z1")]
 
 
 @pytest.fixture(scope="module")
