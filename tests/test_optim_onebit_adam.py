@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
+from plait import comm, zero
 from plait.comm.compress import FP16Compressor, OneBitCompressor, TopKCompressor
 from plait.data_parallel import DataParallel
 from plait.errors import ConfigError
@@ -168,10 +168,123 @@ def _onebit_adam_ddp(freeze: int, steps: int):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_onebit_adam_ddp_matches_the_papers_rule(world):
-    res = run_ranks(_onebit_adam_ddp, world, (3, 8), timeout=180)[0]
-    exact, onebit = res["exact"], res["onebit"]
+def _data(gens):
+    return [(torch.randn(8, 12, generator=g), torch.randn(8, 3, generator=g)) for g in gens]
+
+
+def _reference(n: int, freeze: int, steps: int):
+    """Algorithm 1 on the whole batch of the n ranks in one process: per step, the parameters
+    after it and the loss before it."""
+    torch.manual_seed(0)
+    ref_model = [
+        p.detach().clone() for p in nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3)).parameters()
+    ]
+    gens = [torch.Generator().manual_seed(100 + r) for r in range(n)]
+    state, params, losses = {}, [], []
+    for step in range(1, steps + 1):
+        data = _data(gens)
+        ref = [p.clone().requires_grad_() for p in ref_model]
+        h = torch.tanh(torch.cat([d[0] for d in data]) @ ref[0].T + ref[1])
+        loss = nn.functional.mse_loss(h @ ref[2].T + ref[3], torch.cat([d[1] for d in data]))
+        grads = torch.autograd.grad(loss, ref)
+        with torch.no_grad():
+            _reference_step(ref_model, grads, state, step, freeze)
+        params.append(_flat(ref_model))
+        losses.append(float(loss.detach()))
+    return params, losses
+
+
+def _onebit_adam_zero(freeze: int, steps: int, clip: float = 0.3):
+    """1-bit Adam through `plait.zero.wrap` at stages 0 (DataParallel), 1 and 2, with a lossless
+    compressor (top-k keeping everything) and with 1-bit; the 1-bit runs clip at `clip` (each
+    rank its own gradient after the freeze). Returns, per (compressor, stage): the parameters
+    after each step, the mean loss of the ranks, this rank's gradient norms, the ledger of
+    backward and of the step, and the optimizer's bytes around the freeze."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    mesh = Mesh(dp=n, timeout_s=60)
+    out = {}
+    for name in ("exact", "onebit"):
+        for stage in (0, 1, 2):
+            mesh.ledger.clear()
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
+            hook = MomentumHook(
+                TopKCompressor(1.0) if name == "exact" else OneBitCompressor(min_group=8), freeze
+            )
+            groups = [{"params": [p], "weight_decay": WD if p.dim() > 1 else 0.0} for p in model.parameters()]
+            engine = zero.wrap(
+                model,
+                mesh,
+                stage,
+                lambda g, hook=hook: OneBitAdam(g, hook, mesh, lr=LR, betas=BETAS, eps=EPS),
+                param_groups=groups,
+                comm_hook=hook,
+                bucket_mb=0.0005,  # several buckets: W2 + both biases, then W1
+            )
+            gens = [torch.Generator().manual_seed(100 + r) for r in range(n)]
+            params, losses, norms, backward, stepped, memory = [], [], [], {}, {}, {}
+            for step in range(1, steps + 1):
+                engine.set_lr_scale(0.5 + 0.1 * step)  # as the trainer does; the exact run must not care
+                x, y = _data(gens)[rank]
+                mesh.ledger.set_step(1000 + step)  # backward apart from the step
+                loss = nn.functional.mse_loss(engine.module(x), y)
+                loss.backward()
+                mesh.ledger.set_step(step)
+                norms.append(engine.clip_grad_norm_(clip) if name == "onebit" else engine.grad_norm())
+                engine.step()
+                engine.zero_grad()
+                if stage and step in (freeze, freeze + 1):  # before and after the momentum's gather
+                    memory[step] = engine.memory()["optimizer"]
+                mesh.ledger.set_step(-1)
+                losses.append(loss.detach())
+                params.append(_flat(model.parameters()))
+            losses = _gather(torch.stack(losses), mesh).mean(0)
+            for step in range(1, steps + 1):
+                backward[step] = {
+                    op: (r.count, r.logical_bytes) for (op, _), r in mesh.ledger.rows(1000 + step).items()
+                }
+                stepped[step] = {
+                    op: (r.count, r.payload_bytes, r.logical_bytes)
+                    for (op, _), r in mesh.ledger.rows(step).items()
+                }
+            res = {
+                "params": params,
+                "losses": losses.tolist(),
+                "norms": norms,
+                "compressing": hook.compressing,
+            }
+            if stage:
+                res.update(backward=backward, step=stepped, memory=memory)
+                res["buckets"] = [m.numel for m in hook.messages.values()]
+                res["segments"] = sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"])
+                momentum = torch.cat(engine.optimizer._momentum)
+                rows = _gather(momentum, mesh)
+                res["momentum_replicated"] = all(torch.equal(rows[0], rows[r]) for r in range(n))
+            out[(name, stage)] = res
+            engine.close()
+    mesh.close()
+    return out
+
+
+def _both(freeze: int, steps: int):
+    return {"ddp": _onebit_adam_ddp(freeze, steps), "zero": _onebit_adam_zero(freeze, steps)}
+
+
+FREEZE, STEPS = 3, 8
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def runs(request):
+    """One spawn per world size: the DataParallel checks and the ZeRO runs. Returns (world,
+    rank 0's results, every rank's results)."""
+    world = request.param
+    per_rank = run_ranks(_both, world, (FREEZE, STEPS), timeout=300)
+    return world, per_rank[0], per_rank
+
+
+def test_onebit_adam_ddp_matches_the_papers_rule(runs):
+    _, res, _ = runs
+    exact, onebit = res["ddp"]["exact"], res["ddp"]["onebit"]
     assert exact["compressing"] and onebit["compressing"]
     # a lossless compressor: 3 AdamW steps, 5 frozen-variance steps equal one process on the whole batch
     assert exact["max_diff"] < 1e-6, exact
@@ -179,3 +292,72 @@ def test_onebit_adam_ddp_matches_the_papers_rule(world):
     assert onebit["conserved"] < 1e-6, onebit
     for r in (exact, onebit):
         assert r["last_step_ops"] == ["all_gather"] and r["logical"] == 4 * r["numel"] and r["gathers"] == 1
+
+
+def test_onebit_adam_under_zero_matches_the_papers_rule(runs):
+    """ZeRO-1 and ZeRO-2 with a lossless compressor: the warm-up (sharded AdamW on the
+    reduce-scattered mean) and the compression stage (whole momentum, sharded frozen variance)
+    equal Algorithm 1 on the whole batch in one process, parameters and losses, within 1e-6."""
+    world, res, _ = runs
+    ref_params, ref_losses = _reference(world, FREEZE, STEPS)
+    for stage in (0, 1, 2):
+        run = res["zero"][("exact", stage)]
+        assert run["compressing"]
+        diffs = [float((p - q).abs().max()) for p, q in zip(run["params"], ref_params)]
+        assert max(diffs) < 1e-6, (stage, diffs)
+        assert max(abs(a - b) for a, b in zip(run["losses"], ref_losses)) < 1e-6, stage
+        assert run["losses"][-1] < run["losses"][0]  # and it trains
+
+
+def test_onebit_adam_under_zero_equals_data_parallel_with_onebit(runs):
+    """With the real 1-bit compressor and clipping active, ZeRO-1/2 leave the parameters and
+    losses of the DataParallel (stage 0) run, to 1e-6: the same messages (per parameter, so the
+    bucket layout does not matter), the same decoding, the same local clipping after the freeze.
+    (Before the freeze the two clip the mean gradient by one rounding apart: torch's float32
+    coefficient under DataParallel, ZeRO's own in float64.)"""
+    world, res, per_rank = runs
+    base = res["zero"][("onebit", 0)]
+    for stage in (1, 2):
+        run = res["zero"][("onebit", stage)]
+        diffs = [float((p - q).abs().max()) for p, q in zip(run["params"], base["params"])]
+        assert max(diffs) < 1e-6, (stage, diffs)
+        assert max(abs(a - b) for a, b in zip(run["losses"], base["losses"])) < 1e-6
+        assert run["momentum_replicated"]
+        for r in per_rank:  # every rank's norm: the mean's in the warm-up, its own after the freeze
+            ours, theirs = r["zero"][("onebit", stage)]["norms"], r["zero"][("onebit", 0)]["norms"]
+            assert all(abs(a - b) <= 1e-6 * b for a, b in zip(ours, theirs)), (stage, ours, theirs)
+    warm = [r["zero"][("onebit", 1)]["norms"] for r in per_rank]
+    assert all(w[:FREEZE] == warm[0][:FREEZE] for w in warm)  # the mean gradient's, on every rank
+    assert len({w[-1] for w in warm}) == world  # each rank's own gradient's
+    assert min(base["norms"]) > 0.3  # clipping was active at every step
+    # 1-bit really compresses: not the lossless run's parameters
+    assert float((base["params"][-1] - res["zero"][("exact", 0)]["params"][-1]).abs().max()) > 1e-3
+
+
+def test_onebit_adam_under_zero_ledger_and_memory(runs):
+    """Backward reduce-scatters every bucket during the warm-up and communicates nothing after the
+    freeze; a compressed step's only collectives are one all-gather per bucket of the compressor
+    (standing for the fp32 momentum) and ZeRO's all-gather of the parameters, plus, at the freeze,
+    one all-gather of the momentum from its shards. The whole momentum then costs 4 bytes per
+    padded entry on every rank, instead of its shard."""
+    world, res, _ = runs
+    for name in ("exact", "onebit"):
+        for stage in (1, 2):
+            run = res["zero"][(name, stage)]
+            sizes = run["buckets"]
+            nb, padded = len(sizes), sum(sizes)
+            assert nb >= 2
+            for step in range(1, STEPS + 1):
+                if step <= FREEZE:
+                    assert run["backward"][step] == {"reduce_scatter": (nb, 4 * padded)}, step
+                else:
+                    assert run["backward"][step] == {}, (name, stage, step, run["backward"][step])
+            first, last = run["step"][FREEZE + 1], run["step"][STEPS]
+            assert set(first) == set(last) == {"all_gather"}, (first, last)  # no reduction: clipping is local
+            count, payload, logical = last["all_gather"]
+            assert count == 2 * nb and logical == 2 * 4 * padded, last
+            if name == "onebit":
+                assert payload < logical
+            assert first["all_gather"][0] == 3 * nb and first["all_gather"][2] == 3 * 4 * padded
+            memory = run["memory"]
+            assert memory[FREEZE + 1] - memory[FREEZE] == 4 * (padded - run["segments"]), memory

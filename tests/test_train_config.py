@@ -32,6 +32,14 @@ def test_default_config_file_is_valid():
     assert cfg.world_size == 2 and cfg.parallel.dp == 2
 
 
+@pytest.mark.parametrize("stage", ["0", "1", "2"])
+def test_onebit_adam_is_accepted_with_zero_stages_0_to_2(stage):
+    """1-bit Adam (comm.target = 'momentum') composes with ZeRO-1/2 (tests/test_optim_onebit_adam.py)."""
+    args = ["--comm.target", "momentum", "--comm.compression", "onebit", "--parallel.zero_stage", stage]
+    cfg = load_config(None, parse_overrides(args))
+    assert cfg.comm.target == "momentum" and cfg.parallel.zero_stage == int(stage)
+
+
 BAD = [
     # (file text or None, CLI args, words the one-line message must contain)
     ("[train]\nstep = 5\n", [], ["train.step", "did you mean 'train.steps'"]),
@@ -90,8 +98,26 @@ BAD = [
     ),
     (
         None,
-        ["--comm.compression", "onebit", "--comm.target", "momentum", "--parallel.zero_stage", "1"],
-        ["zero_stage = 0 only"],
+        ["--comm.compression", "onebit", "--comm.target", "momentum", "--parallel.zero_stage", "3"],
+        ["comm.target = 'momentum' (1-bit Adam)", "zero_stage = 0, 1 or 2, got 3", "zero_stage = 2"],
+    ),
+    (
+        None,
+        ["--comm.compression", "onebit", "--comm.target", "momentum", "--parallel.zero_stage", "2"]
+        + ["--parallel.dp", "4", "--parallel.hybrid_shard", "2", "--train.global_batch", "8"],
+        ["1-bit Adam", "parallel.hybrid_shard", "parallel.hybrid_shard = 0"],
+    ),
+    (
+        None,
+        ["--comm.compression", "topk", "--comm.target", "momentum", "--parallel.zero_stage", "1"]
+        + ["--offload.optimizer", "cpu"],
+        ["1-bit Adam", "offload.optimizer = 'cpu'", "offload.optimizer = 'none'"],
+    ),
+    (
+        None,
+        ["--parallel.pp", "2", "--parallel.dp", "1", "--comm.target", "momentum"]
+        + ["--comm.compression", "onebit"],
+        ["comm.target = 'momentum' (1-bit Adam) with parallel.tp > 1 or parallel.pp > 1", "pipeline"],
     ),
     (
         None,

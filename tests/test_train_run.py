@@ -121,6 +121,7 @@ def test_sgd_without_clipping_every_layout_follows_one_process(tmp_path):
 ERROR_FEEDBACK = [
     ("topk", "gradient", 0),
     ("topk", "momentum", 0),
+    ("topk", "momentum", 2),
     ("topk", "gradient", 2),
     ("powersgd", "gradient", 0),
 ]
@@ -158,9 +159,10 @@ def resumed(tmp_path_factory):
 @pytest.mark.parametrize("compression,target,stage", ERROR_FEEDBACK)
 def test_resume_with_error_feedback_restores_the_residuals(resumed, compression, target, stage):
     # The residual is part of the training state: without it the resumed steps would differ.
-    # With target = momentum (1-bit Adam) the stop at step 4 falls in the compression stage;
-    # under ZeRO-2 the compressor replaces the gradient reduce-scatter; PowerSGD's warm-start
-    # matrices are state too.
+    # With target = momentum (1-bit Adam) the stop at step 4 falls in the compression stage (the
+    # freeze is at 2); under ZeRO-2 the momentum, whole on every rank after the freeze, is saved
+    # as shards and gathered again at the resume. Under ZeRO-2 with target = gradient the
+    # compressor replaces the gradient reduce-scatter; PowerSGD's warm-start matrices are state too.
     base, done = resumed
     name = f"{compression}-{target}-{stage}"
     for what in ("ref", "cut", "resume"):
@@ -168,6 +170,19 @@ def test_resume_with_error_feedback_restores_the_residuals(resumed, compression,
         assert r.returncode == 0, f"{name} {what}: {r.stderr}"
     ref, run = base / name / "ref", base / name / "run"
     assert max(losses(run)) > 4 and losses(run) == losses(ref)  # bit for bit, every step
+
+
+def test_onebit_adam_under_zero2_follows_data_parallel(resumed):
+    """1-bit Adam's rule with top-k messages under ZeRO-2 (reduce-scatter and sharded AdamW in the
+    warm-up; after the freeze no reduce-scatter, the whole momentum exchanged, the shard stepped)
+    follows the same run at zero_stage 0 (DataParallel): the losses, and the gradient norms that
+    after the freeze are rank 0's own gradient's, clipped by each rank on its own, within 1e-5."""
+    base, done = resumed
+    for name in ("topk-momentum-2", "topk-momentum-0"):
+        assert done[f"{name}/ref"].returncode == 0, done[f"{name}/ref"].stderr
+    assert "under ZeRO-2 backward then skips the reduce-scatter" in done["topk-momentum-2/ref"].stdout
+    ref = base / "topk-momentum-0" / "ref"
+    assert_runs_match(base / "topk-momentum-2" / "ref", ref, what="1-bit Adam, ZeRO-2 vs stage 0")
 
 
 def test_resume_with_another_compressor_starts_from_zero_residuals(resumed):

@@ -412,7 +412,8 @@ def validate(cfg: Config) -> None:
     _require(
         (p.tp == 1 and p.pp == 1) or cfg.comm.target == "gradient",
         "comm.target = 'momentum' (1-bit Adam) with parallel.tp > 1 or parallel.pp > 1 is not available "
-        "yet (its momentum exchange is tested with data parallelism only); use comm.target = 'gradient'",
+        "yet: its momentum exchange is built over dp alone (data parallel and ZeRO-1/2), not over "
+        "tensor-parallel placements or a pipeline's stages; use comm.target = 'gradient'",
     )
     _validate_pipeline(cfg, m.n_layer)
 
@@ -537,6 +538,26 @@ def _validate_zero(cfg: Config) -> None:
         "need all of a layer at once); use cpu offload or adamw/sgd",
     )
     c = cfg.comm
+    if c.target == "momentum":  # 1-bit Adam (plait.optim.onebit_adam) under ZeRO
+        _require(
+            p.zero_stage <= 2,
+            "comm.target = 'momentum' (1-bit Adam) runs with parallel.zero_stage = 0, 1 or 2, got 3: after "
+            "the freeze each rank steps with its own whole gradient, and ZeRO-3 frees each unit's gradient "
+            "into its reduce-scatter (no compressor path); use zero_stage = 2",
+        )
+        _require(
+            p.hybrid_shard == 0,
+            "comm.target = 'momentum' (1-bit Adam) with parallel.hybrid_shard is not available: the momentum "
+            "is exchanged over the whole dp axis, which hybrid sharding splits into shard and replica "
+            "groups; set parallel.hybrid_shard = 0",
+        )
+        _require(
+            o.optimizer == "none",
+            f"comm.target = 'momentum' (1-bit Adam) with offload.optimizer = {o.optimizer!r} is not "
+            "available: the compressed momentum exchange runs inside the optimizer step on the compute "
+            "device, which offload moves to the host (or, delayed, to a background thread); set "
+            "offload.optimizer = 'none'",
+        )
     _require(
         p.zero_stage <= 2 or c.compression == "none",
         f"comm.compression = {c.compression!r} compresses the gradient all-reduce (stage 0) or "
@@ -546,12 +567,6 @@ def _validate_zero(cfg: Config) -> None:
         p.zero_stage == 0 or c.compression == "none" or not cfg.train.bf16,
         f"comm.compression = {c.compression!r} with parallel.zero_stage = {p.zero_stage} needs fp32 "
         "gradients: set train.bf16 = false, or comm.compression = 'none'",
-    )
-    _require(
-        p.zero_stage == 0 or c.target == "gradient",
-        f"comm.target = 'momentum' (1-bit Adam) runs with parallel.zero_stage = 0 only, got {p.zero_stage}: "
-        "each rank forms its own momentum from the shared one, so the whole momentum lives on every rank "
-        "(sharding it needs a compressed reduce-scatter of the momentum, not built)",
     )
     if o.optimizer == "disk" and o.path:
         check_writable_dir(o.path, "offload.path")

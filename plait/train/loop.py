@@ -295,12 +295,19 @@ def _announce(run: _Run) -> None:
     _say(mesh, f"plait: {describe_engine(cfg, run.engine)}")
     c = cfg.comm
     if c.target == "momentum":
+        stage = cfg.parallel.zero_stage
+        zero = (
+            f"; under ZeRO-{stage} backward then skips the reduce-scatter, and the momentum is kept "
+            "whole on every rank (4 bytes per parameter) while master weights and variance stay sharded"
+            if stage
+            else ""
+        )
         _say(
             mesh,
             f"plait: 1-bit Adam: AdamW on uncompressed gradients for {c.freeze_step} steps, then the "
             f"variance is frozen and the momentum is exchanged with {c.compression} compression "
             f"({'with' if c.error_feedback else 'without'} error feedback); from then on gradient "
-            "clipping and grad_norm see each rank's own gradient",
+            f"clipping and grad_norm see each rank's own whole gradient{zero}",
         )
     elif (
         c.compression in ("onebit", "topk", "powersgd")

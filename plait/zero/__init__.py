@@ -160,7 +160,8 @@ def wrap(
         reshard_after_forward: stage 3 frees gathered parameters after each unit's forward.
         comm_hook: a compressor of `plait.comm.compress` (stages 0-2; fp32 gradients from stage 1):
             it replaces DataParallel's bucket all-reduce (stage 0) or the bucket reduce-scatter
-            (stages 1-2, through its `reduce_scatter`).
+            (stages 1-2, through its `reduce_scatter`). 1-bit Adam's `MomentumHook` goes here
+            too, with its `OneBitAdam` from `optimizer` (plait.optim.onebit_adam).
 
     Returns an engine with `module` (call it), `optimizer` (the torch optimizer, for LR
     schedulers), `step()`, `zero_grad()`, `clip_grad_norm_(max)`, `grad_norm()`, `no_sync()`,

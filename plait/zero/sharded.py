@@ -125,6 +125,10 @@ class ShardedOptimizer:
                 f"param_groups leaves out {len(missing)} trainable parameter(s); list each exactly once"
             )
         self.optimizer = factory(torch_groups)
+        # An optimizer that exchanges its own state in place of reduced gradients (1-bit Adam,
+        # plait.optim.onebit_adam) is given the flat layout of the shards it steps.
+        if callable(bind := getattr(self.optimizer, "bind_shards", None)):
+            bind(groups, shard_axis)
         self._stepper = self.optimizer
         if offload == "disk":
             from plait.zero.offload_disk import DiskStateOptimizer
@@ -139,11 +143,20 @@ class ShardedOptimizer:
 
     # --- gradients --------------------------------------------------------------------------
 
+    def _local_grads(self) -> list[torch.Tensor] | None:
+        """The whole local gradient the optimizer holds in place of the reduced shards (1-bit
+        Adam after its freeze: each rank measures and clips its own, as under DataParallel), or
+        None."""
+        local = getattr(self.optimizer, "local_grads", None)
+        return local() if callable(local) else None
+
     def grad_norm(self) -> float:
         """The global 2-norm of the reduced gradient: every shard of every group, each segment
         also summed over the model axes its parameter is split on (its placement)."""
         from plait.engine import global_grad_norm
 
+        if (local := self._local_grads()) is not None:  # this rank's own: nothing to sum
+            return global_grad_norm(self.mesh, [(local, ())])
         pairs = []
         for g, placements in zip(self.groups, self.placements, strict=True):
             skip = self.norm_skip.intersection(g.layout.names)
@@ -175,6 +188,11 @@ class ShardedOptimizer:
         """Scale the gradient so its global norm is at most `max_norm` (as torch's
         clip_grad_norm_: factor min(1, max_norm / (norm + 1e-6))). Returns the norm before."""
         norm = self.grad_norm()
+        if (local := self._local_grads()) is not None:  # this rank's own, by torch's arithmetic
+            coef = torch.clamp(max_norm / (torch.tensor(norm) + 1e-6), max=1.0)  # as data parallel's
+            for t in local:
+                t.mul_(coef.to(t.device))
+            return norm
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
             for g in self.groups:

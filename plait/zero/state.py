@@ -179,6 +179,8 @@ class ShardedState:
         if self._disk_sd is not None:
             s._stepper.load_state_dict(self._disk_sd)
             self._disk_sd = None
+        if callable(loaded := getattr(s.optimizer, "shards_loaded", None)):
+            loaded()  # 1-bit Adam: its whole momentum is re-gathered from the loaded shards
         s.on_updated()
 
 
