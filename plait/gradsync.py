@@ -213,7 +213,8 @@ class GradSync:
         lo, hi = b.layout.shard_range(self.rank) if self.reduce == "reduce_scatter" else (0, b.numel)
         runs: dict[tuple[str, ...], list[tuple[int, int]]] = {}
         for p, off, k in zip(b.params, b.layout.offsets, b.layout.numels, strict=True):
-            axes = tuple(a for a in placement(p).grad_partial if self.mesh.size(a) > 1)
+            # (the synchronised axis itself is summed by the collective)
+            axes = tuple(a for a in placement(p).grad_partial if self.mesh.size(a) > 1 and a != self.axis)
             s, e = max(lo, off), min(hi, off + k)
             if not axes or s >= e:
                 continue

@@ -90,7 +90,20 @@ BAD = [
         ["--comm.target", "momentum", "--comm.compression", "onebit", "--comm.freeze_step", "600"],
         ["comm.freeze_step = 600 >= train.steps = 300", "never compress"],
     ),
-    (None, ["--comm.compression", "fp16", "--parallel.zero_stage", "3"], ["zero_stage = 3 has none"]),
+    (
+        None,
+        [
+            "--comm.compression",
+            "fp16",
+            "--parallel.zero_stage",
+            "3",
+            "--parallel.tp",
+            "2",
+            "--model.n_head",
+            "4",
+        ],
+        ["zero_stage = 3 and parallel.tp = 2", "tp replicas drift apart"],
+    ),
     (
         None,
         ["--comm.compression", "onebit", "--parallel.zero_stage", "2", "--train.bf16", "true"],

@@ -199,8 +199,10 @@ class OneBitCompressor(_ErrorFeedback):
         self.min_group = min_group
 
     def _layout(self, bucket: GradBucket):
-        for off, p in zip(bucket.offsets, bucket.params):
-            yield off, p.numel(), column_groups(p.shape, self.min_group)
+        # the layout's shapes, not the parameters': a ZeRO-3 unit's parameters are empty
+        # placeholders between uses
+        for off, shape in zip(bucket.offsets, bucket.layout.shapes):
+            yield off, shape.numel(), column_groups(shape, self.min_group)
 
     def encode(self, bucket: GradBucket) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantise (scale·gradient + residual); update the residual. Returns (all bits, all
@@ -322,9 +324,9 @@ class PowerSGDCompressor(_ErrorFeedback):
 
     def _matrices(self, bucket: GradBucket):
         """(parameter index, offset, n, m) of the parameters compressed at rank r."""
-        for i, (off, p) in enumerate(zip(bucket.offsets, bucket.params)):
-            n = p.shape[0] if p.dim() >= 2 else 0
-            m = p.numel() // n if n else 0
+        for i, (off, shape) in enumerate(zip(bucket.offsets, bucket.layout.shapes)):
+            n = shape[0] if len(shape) >= 2 else 0
+            m = shape.numel() // n if n else 0
             if min(n, m) > self.rank:
                 yield i, off, n, m
 

@@ -74,13 +74,13 @@ class _Local:
 
 class _Message:
     """Under ZeRO, after the freeze: one bucket's whole buffer, in the layout of ZeRO's bucket
-    (the interface the compressors read: index, params, offsets, numel, buffer). Backward leaves
+    (the interface the compressors read: index, params, layout, offsets, numel, buffer). Backward leaves
     this rank's own gradient in it; the step turns it into the local momentum message, and the
     compressor's exchange into the decoded mean momentum."""
 
     def __init__(self, bucket):
         self.index, self.params, self.numel = bucket.index, list(bucket.params), bucket.numel
-        self.offsets = list(bucket.offsets)
+        self.offsets, self.layout = list(bucket.offsets), bucket.layout
         self.buffer = torch.zeros(bucket.numel, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
 
     def grads(self) -> list[torch.Tensor]:

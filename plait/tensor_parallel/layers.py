@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from plait.comm import ops
 from plait.comm.autograd import (
     copy_to_parallel,
     gather_from_parallel,
@@ -406,18 +405,15 @@ def sequence_parallel_params(module: nn.Module, axis: str = "tp") -> list[nn.Par
 def allreduce_sequence_parallel_grads(module: nn.Module, mesh: Mesh, axis: str = "tp") -> None:
     """Sum the gradients of `sequence_parallel_params(module)` over `axis`, in place.
 
-    Call after backward, before clipping and the optimizer step. Gradients of one dtype travel
-    as one flat buffer: one all-reduce per dtype, not one per parameter."""
-    if mesh.size(axis) == 1:
+    Call after backward, before clipping and the optimizer step, when no engine does it (every
+    plait engine sums them in its gradient synchroniser, by their placements). Gradients of one
+    dtype travel as one flat bucket of `plait.gradsync.GradSync` (all-reduce over `axis`, no
+    scaling): one all-reduce per dtype, not one per parameter."""
+    from plait.gradsync import GradSync, build_buckets
+
+    params = [p for p in sequence_parallel_params(module, axis) if p.grad is not None]
+    if mesh.size(axis) == 1 or not params:
         return
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for p in sequence_parallel_params(module, axis):
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        ops.all_reduce(flat, mesh, axis)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    sync = GradSync(build_buckets(params, 1 << 62), mesh, axis, scale=1.0, trigger="manual")
+    sync.grads_ready(params)
+    sync.finish()

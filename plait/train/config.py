@@ -541,9 +541,9 @@ def _validate_zero(cfg: Config) -> None:
     if c.target == "momentum":  # 1-bit Adam (plait.optim.onebit_adam) under ZeRO
         _require(
             p.zero_stage <= 2,
-            "comm.target = 'momentum' (1-bit Adam) runs with parallel.zero_stage = 0, 1 or 2, got 3: after "
-            "the freeze each rank steps with its own whole gradient, and ZeRO-3 frees each unit's gradient "
-            "into its reduce-scatter (no compressor path); use zero_stage = 2",
+            "comm.target = 'momentum' (1-bit Adam) runs with parallel.zero_stage = 0, 1 or 2, got 3: its "
+            "ZeRO path forms each rank's momentum over ZeRO-1/2's buckets of whole parameters, and is not "
+            "built over ZeRO-3's units (gradient compression itself works under ZeRO-3); use zero_stage = 2",
         )
         _require(
             p.hybrid_shard == 0,
@@ -559,9 +559,11 @@ def _validate_zero(cfg: Config) -> None:
             "offload.optimizer = 'none'",
         )
     _require(
-        p.zero_stage <= 2 or c.compression == "none",
-        f"comm.compression = {c.compression!r} compresses the gradient all-reduce (stage 0) or "
-        f"reduce-scatter (stages 1-2); parallel.zero_stage = 3 has none: set comm.compression = 'none'",
+        p.zero_stage <= 2 or c.compression == "none" or p.tp == 1 or p.pp > 1,
+        f"comm.compression = {c.compression!r} with parallel.zero_stage = 3 and parallel.tp = {p.tp}: a "
+        "ZeRO-3 unit's gradient mixes tp-sharded, replicated and partial parameters, and a lossy "
+        "compressor over it would let tp replicas drift apart; use zero_stage = 1 or 2 (one placement "
+        "per bucket) or comm.compression = 'none'",
     )
     _require(
         p.zero_stage == 0 or c.compression == "none" or not cfg.train.bf16,

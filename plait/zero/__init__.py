@@ -158,10 +158,11 @@ def wrap(
         delayed_update: ZeRO-Offload's one-step delayed parameter update (needs offload).
         wrap_policy: stage 3 units, `policy(name, module) -> bool` (default: transformer blocks).
         reshard_after_forward: stage 3 frees gathered parameters after each unit's forward.
-        comm_hook: a compressor of `plait.comm.compress` (stages 0-2; fp32 gradients from stage 1):
-            it replaces DataParallel's bucket all-reduce (stage 0) or the bucket reduce-scatter
-            (stages 1-2, through its `reduce_scatter`). 1-bit Adam's `MomentumHook` goes here
-            too, with its `OneBitAdam` from `optimizer` (plait.optim.onebit_adam).
+        comm_hook: a compressor of `plait.comm.compress` (fp32 gradients from stage 1): it
+            replaces DataParallel's bucket all-reduce (stage 0) or the bucket / unit
+            reduce-scatter (stages 1-3, through its `reduce_scatter`; stage 3 not with tp).
+            1-bit Adam's `MomentumHook` goes here too (stages 0-2), with its `OneBitAdam` from
+            `optimizer` (plait.optim.onebit_adam).
 
     Returns an engine with `module` (call it), `optimizer` (the torch optimizer, for LR
     schedulers), `step()`, `zero_grad()`, `clip_grad_norm_(max)`, `grad_norm()`, `no_sync()`,
@@ -193,11 +194,6 @@ def wrap(
             bucket_mb=bucket_mb,
             allow_unused=allow_unused,
             comm_hook=comm_hook,
-        )
-    if comm_hook is not None and stage == 3:
-        raise ConfigError(
-            "comm_hook (gradient compression) replaces the stage-0 all-reduce or the stage-1/2 "
-            "reduce-scatter; ZeRO-3 has none"
         )
     shard_axis, replicate_axis = "dp", None
     if hybrid_shard:
@@ -238,6 +234,7 @@ def wrap(
             optimizer,
             wrap_policy=wrap_policy,
             reshard_after_forward=reshard_after_forward,
+            comm_hook=comm_hook,
             **common,
         )
     return engine

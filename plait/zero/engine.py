@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from plait.engine import AccumulatingEngine
+from plait.engine import AccumulatingEngine, ScalesResiduals
+from plait.errors import ConfigError
 from plait.zero.sharded import ShardedOptimizer
 from plait.zero.state import ShardedState
 
@@ -14,6 +15,30 @@ class ShardedEngine(AccumulatingEngine):
     plait.engine); subclasses set `self.shards` (the ShardedOptimizer) and `self.optimizer`."""
 
     shards: ShardedOptimizer
+    comm_hook = None  # a compressor of plait.comm.compress in place of the reduce-scatter
+
+    @staticmethod
+    def _check_hook(comm_hook, compute_dtype: torch.dtype) -> None:
+        if comm_hook is not None and not hasattr(comm_hook, "reduce_scatter"):
+            raise ConfigError(
+                f"comm_hook {type(comm_hook).__name__} has no reduce_scatter(): ZeRO takes the "
+                "compressors of plait.comm.compress"
+            )
+        if comm_hook is not None and compute_dtype != torch.float32:
+            raise ConfigError("gradient compression under ZeRO needs fp32 gradients (mixed_precision=None)")
+
+    def set_lr_scale(self, scale: float) -> None:
+        """The coming step's learning rate over the peak, for a compressor keeping its
+        error-feedback residual in units of the step (plait.engine.ScalesResiduals)."""
+        if isinstance(self.comm_hook, ScalesResiduals):
+            self.comm_hook.set_lr_scale(scale)
+
+    def residual_buffers(self) -> dict[str, torch.Tensor] | None:
+        """This rank's error-feedback residuals, one per gradient bucket (zeros where none yet),
+        for checkpoints; None without an error-feedback compressor."""
+        if not hasattr(self.comm_hook, "state_tensors"):
+            return None
+        return self.comm_hook.state_tensors(self.sync.buckets)
 
     def _init_layout(
         self,

@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.engine import ScalesResiduals
 from plait.errors import ConfigError, DataParallelError
 from plait.flat import alloc_storage, free_storage, storage_bytes
 from plait.gradsync import GradBucket, GradSync, bucket_chunks
@@ -101,13 +100,7 @@ class ZeroOptimizer(ShardedEngine):
         self.stage = stage
         self.reshard = reshard_after_step
         self.allow_unused = allow_unused
-        if comm_hook is not None and not hasattr(comm_hook, "reduce_scatter"):
-            raise ConfigError(
-                f"comm_hook {type(comm_hook).__name__} has no reduce_scatter(): ZeRO-1/2 takes the "
-                "compressors of plait.comm.compress"
-            )
-        if comm_hook is not None and compute_dtype != torch.float32:
-            raise ConfigError("gradient compression under ZeRO needs fp32 gradients (mixed_precision=None)")
+        self._check_hook(comm_hook, compute_dtype)
         self.comm_hook = comm_hook
         self.trigger = trigger
         self._names = names or {}
@@ -251,17 +244,6 @@ class ZeroOptimizer(ShardedEngine):
             for b in self.buckets:
                 free_storage(b.flat)
             self._gathered = False
-
-    def set_lr_scale(self, scale: float) -> None:
-        if isinstance(self.comm_hook, ScalesResiduals):
-            self.comm_hook.set_lr_scale(scale)
-
-    def residual_buffers(self) -> dict[str, torch.Tensor] | None:
-        """This rank's error-feedback residuals, one per bucket (zeros where none yet), for
-        checkpoints; None without an error-feedback compressor."""
-        if not hasattr(self.comm_hook, "state_tensors"):
-            return None
-        return self.comm_hook.state_tensors(self.buckets)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.shards.zero_grad()

@@ -177,6 +177,8 @@ class ZeroStage3(ShardedEngine):
         wrap_policy: `policy(name, submodule) -> bool` chooses the units; the root is always one.
         reshard_after_forward: free gathered parameters after each unit's forward (True: ZeRO-3's
             3Ψ traffic and lowest memory; False keeps them until backward, 2Ψ, like ZeRO-2).
+        comm_hook: a compressor of `plait.comm.compress` in place of each unit's reduce-scatter
+            (fp32 gradients; not with tensor parallelism: a unit mixes placements).
         Other arguments as `ZeroOptimizer`.
     """
 
@@ -194,8 +196,25 @@ class ZeroStage3(ShardedEngine):
         offload: str = "none",
         offload_path=None,
         delayed_update: bool = False,
+        comm_hook=None,
     ):
         self._init_layout(module, mesh, shard_axis, replicate_axis, compute_dtype, offload, delayed_update)
+        self._check_hook(comm_hook, compute_dtype)
+        if comm_hook is not None and mesh.size("tp") > 1:
+            raise ConfigError(
+                "gradient compression under ZeRO-3 with tensor parallelism: a unit's gradient mixes "
+                "tp-sharded, replicated and partial parameters, and a lossy compressor over such a "
+                "bucket would let tp replicas drift apart; use ZeRO-1/2 (their buckets hold one "
+                "placement each) or no compression"
+            )
+        from plait.optim.onebit_adam import MomentumHook
+
+        if isinstance(comm_hook, MomentumHook):
+            raise ConfigError(
+                "1-bit Adam (MomentumHook) runs under stages 0-2: its ZeRO path forms each rank's "
+                "momentum over ZeRO-1/2's flat buckets of whole parameters, not over ZeRO-3's units"
+            )
+        self.comm_hook = comm_hook
         self.reshard = reshard_after_forward
         for buf in module.buffers():
             comm.broadcast(buf, mesh, "dp", src=0)
@@ -222,6 +241,7 @@ class ZeroStage3(ShardedEngine):
             mesh,
             shard_axis,
             reduce="reduce_scatter",
+            comm_hook=comm_hook,
             scale=self.scale,
             trigger="manual",  # each unit's hook hands its flat gradient over
             ordered=False,  # autograd completes units in one order on every rank
