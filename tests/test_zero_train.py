@@ -119,7 +119,15 @@ def test_full_disk_while_offloading_fails_clearly_and_keeps_the_checkpoint(tmp_p
         ([("offload.optimizer", "nvme"), ("parallel.zero_stage", "2")], "valid: none, cpu, disk"),
         ([("offload.optimizer", "cpu")], "needs parallel.zero_stage >= 1"),
         ([("offload.delayed_update", "true"), ("parallel.zero_stage", "2")], "needs offload.optimizer"),
-        ([("parallel.zero_stage", "3"), ("comm.compression", "onebit")], "set comm.compression = 'none'"),
+        (
+            [
+                ("parallel.zero_stage", "3"),
+                ("comm.compression", "onebit"),
+                ("parallel.tp", "2"),
+                ("model.n_head", "4"),
+            ],
+            "tp replicas drift apart",
+        ),
     ],
 )
 def test_bad_zero_config_is_rejected_before_start(overrides, message):
