@@ -47,8 +47,11 @@ class GradBucket:
     gradient buffer padded to a multiple of `n` (`layout`, a `plait.flat.FlatLayout`; `offsets`
     and `numel` as compressors read them) and that buffer, allocated at first use."""
 
-    def __init__(self, index: int, params: list, names: list[str], n: int = 1, dtype=None, device=None):
+    def __init__(
+        self, index: int, params: list, names: list[str], n: int = 1, dtype=None, device=None, axis=None
+    ):
         self.index = index
+        self.axis = axis  # the axis it is reduced over, when not the synchroniser's own
         self.params = list(params)
         self.names = list(names)
         self.layout = FlatLayout(self.names, [p.shape for p in self.params], n)
@@ -191,7 +194,6 @@ class GradSync:
         self.missing = missing
         self.deliver = deliver or _point_grads
         self.check = check
-        self.rank = mesh.rank(axis)
         self.sync = True
         self._queued = False
         self._next = 0
@@ -210,11 +212,13 @@ class GradSync:
     def _partial_runs(self, b: GradBucket) -> list[tuple[tuple[str, ...], list[tuple[int, int]]]]:
         """[(model axes, [(offset, length)])]: the runs of the reduced result (the whole buffer,
         or this rank's shard) whose parameters' gradients are partial over those axes."""
-        lo, hi = b.layout.shard_range(self.rank) if self.reduce == "reduce_scatter" else (0, b.numel)
+        axis = b.axis or self.axis
+        scattered = self.reduce == "reduce_scatter"
+        lo, hi = b.layout.shard_range(self.mesh.rank(axis)) if scattered else (0, b.numel)
         runs: dict[tuple[str, ...], list[tuple[int, int]]] = {}
         for p, off, k in zip(b.params, b.layout.offsets, b.layout.numels, strict=True):
             # (the synchronised axis itself is summed by the collective)
-            axes = tuple(a for a in placement(p).grad_partial if self.mesh.size(a) > 1 and a != self.axis)
+            axes = tuple(a for a in placement(p).grad_partial if self.mesh.size(a) > 1 and a != axis)
             s, e = max(lo, off), min(hi, off + k)
             if not axes or s >= e:
                 continue
@@ -286,18 +290,19 @@ class GradSync:
             self._next += 1
 
     def _launch(self, b: GradBucket) -> None:
+        axis = b.axis or self.axis
         if self.reduce == "all_reduce":
             if self.comm_hook is not None:
-                b.handle = self.comm_hook(b, self.mesh, self.axis)
+                b.handle = self.comm_hook(b, self.mesh, axis)
             else:
-                b.handle = comm.all_reduce(b.buffer, self.mesh, self.axis, async_op=True)
+                b.handle = comm.all_reduce(b.buffer, self.mesh, axis, async_op=True)
         else:
             b.out = torch.empty(b.layout.shard_numel, dtype=b.buffer.dtype, device=b.buffer.device)
             if self.comm_hook is not None:
-                lo, hi = b.layout.shard_range(self.rank)
-                b.handle = self.comm_hook.reduce_scatter(b, b.out, lo, hi, self.mesh, self.axis)
+                lo, hi = b.layout.shard_range(self.mesh.rank(axis))
+                b.handle = self.comm_hook.reduce_scatter(b, b.out, lo, hi, self.mesh, axis)
             else:
-                b.handle = comm.reduce_scatter(b.out, b.buffer, self.mesh, self.axis, async_op=True)
+                b.handle = comm.reduce_scatter(b.out, b.buffer, self.mesh, axis, async_op=True)
         self._launched.append(b)
 
     # --- the end of the step's backward ------------------------------------------------------

@@ -185,6 +185,20 @@ def bucket_key(p: torch.Tensor, mesh, sharding: bool = True) -> tuple:
     return live(pl.grad_partial), live(pl.sharded_axes) if sharding else ()
 
 
+def reduce_axis(p: torch.Tensor, mesh, data_axes: tuple[str, ...]) -> str:
+    """The mesh axis `p`'s gradient is averaged over: the data axes (of size > 1) it is not
+    sharded on, as one (combined) axis. A dense parameter under expert parallelism averages over
+    dp x ep; an expert, sharded over ep, over dp alone (its replicas)."""
+    pl = placement(p)
+    axes = tuple(a for a in data_axes if mesh.size(a) > 1 and a not in pl.sharded_axes)
+    if not axes:
+        return data_axes[0]  # nothing to reduce over (a size-1 axis: no communication)
+    axis = mesh.axis_over(axes)
+    if axis is None:
+        raise ValueError(f"the mesh has no combined axis over {axes}; see plait.mesh.DERIVED")
+    return axis
+
+
 def norm_parts(pairs, mesh, data_axes: tuple[str, ...] = (), every=()) -> list[tuple[list, tuple]]:
     """[(gradients, axes)] for `plait.engine.global_grad_norm`: each (placement, gradient) pair
     is summed over `data_axes` (where the engine splits gradients, e.g. ZeRO's shard axis) and

@@ -31,6 +31,7 @@ The buckets, hooks, launch order and waiting are plait's one gradient synchronis
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -41,7 +42,7 @@ from plait.engine import ScalesResiduals
 from plait.errors import DataParallelError
 from plait.gradsync import GradBucket, GradSync, build_buckets
 from plait.mesh import Mesh
-from plait.placement import bucket_key
+from plait.placement import bucket_key, reduce_axis
 
 __all__ = ["DataParallel", "GradBucket", "allreduce_mean_hook", "build_buckets"]
 
@@ -79,6 +80,7 @@ class DataParallel(nn.Module):
         allow_unused: bool = False,
         comm_hook: CommHook | None = None,
         trigger: str = "hook",
+        axes: tuple[str, ...] | None = None,
     ):
         super().__init__()
         if bucket_mb <= 0:
@@ -89,6 +91,9 @@ class DataParallel(nn.Module):
         self.module = module
         self.mesh = mesh
         self.axis = axis
+        # the data axes: every gradient is averaged over all of them, and summed over those a
+        # parameter is not sharded on (experts over ep: over dp alone; see reduce_axis)
+        self.axes = tuple(axes or (axis,))
         self.allow_unused = allow_unused
         self.comm_hook = comm_hook or allreduce_mean_hook
         self._broadcast_state()
@@ -98,6 +103,7 @@ class DataParallel(nn.Module):
             mesh,
             axis,
             comm_hook=self.comm_hook,
+            scale=1.0 / math.prod(mesh.size(a) for a in self.axes),
             trigger=trigger,
             missing="zeros" if allow_unused else "error",
         )
@@ -107,18 +113,19 @@ class DataParallel(nn.Module):
     @torch.no_grad()
     def _broadcast_state(self) -> None:
         """Make every replica start from dp rank 0's parameters and buffers (coalesced per dtype)."""
-        if self.mesh.size(self.axis) == 1:
-            return
         tensors = [t for t in list(self.module.parameters()) + list(self.module.buffers())]
         by_kind: dict[tuple, list[torch.Tensor]] = {}
         seen = set()
         for t in tensors:
             if id(t) not in seen:
                 seen.add(id(t))
-                by_kind.setdefault((t.dtype, t.device), []).append(t)
-        for group in by_kind.values():
+                axis = reduce_axis(t, self.mesh, self.axes)  # an expert: over its replicas only
+                by_kind.setdefault((t.dtype, t.device, axis), []).append(t)
+        for (_, _, axis), group in by_kind.items():
+            if self.mesh.size(axis) == 1:
+                continue
             flat = torch.cat([t.detach().reshape(-1) for t in group])
-            comm.broadcast(flat, self.mesh, self.axis, src=0)
+            comm.broadcast(flat, self.mesh, axis, src=0)
             offset = 0
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -130,12 +137,16 @@ class DataParallel(nn.Module):
         # reverse registration order ~ the order gradients are ready; one set of partial axes per
         # bucket, and under a compressor one placement (bucket_key)
         lossy = self.comm_hook is not allreduce_mean_hook
-        return build_buckets(
+        buckets = build_buckets(
             list(reversed(params)),
             capacity,
             lambda p: names[id(p)],
-            lambda p: bucket_key(p, self.mesh, lossy),
+            lambda p: (bucket_key(p, self.mesh, lossy), reduce_axis(p, self.mesh, self.axes)),
         )
+        if len(self.axes) > 1:  # each bucket over the data axes its parameters are not sharded on
+            for b in buckets:
+                b.axis = reduce_axis(b.params[0], self.mesh, self.axes)
+        return buckets
 
     # --- the backward path ----------------------------------------------------------------
 
