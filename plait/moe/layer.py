@@ -37,7 +37,7 @@ from plait.comm import ops
 from plait.comm.autograd import all_to_all_along
 from plait.errors import ConfigError
 from plait.moe.experts import Experts
-from plait.moe.router import Router, assign, expert_capacity, load_balancing_loss, router_z_loss
+from plait.moe.router import Choices, Router, assign, expert_capacity, load_balancing_loss, router_z_loss
 
 if TYPE_CHECKING:
     from plait.mesh import Mesh
@@ -116,12 +116,12 @@ class MoE(nn.Module):
         self.router = Router(d_model, experts, top_k, random_routing, generator, device=device, dtype=dtype)
         self.experts = Experts(d_model, d_ff, experts, mesh, axis, bias=bias, device=device, dtype=dtype)
 
-    def capacity(self, tokens_per_group: int, load: Tensor) -> int:
-        """C for groups of `tokens_per_group` tokens whose [G, E] claims are `load`: the capacity
-        formula, or in dropless mode the largest load over the axis (one all-reduce(max))."""
+    def capacity(self, tokens_per_group: int, choices: Choices) -> int:
+        """C for groups of `tokens_per_group` tokens routed as `choices`: the capacity formula, or
+        in dropless mode the largest load of any expert in any group of the axis (one all-reduce)."""
         if self.capacity_factor > 0:
             return expert_capacity(tokens_per_group, self.experts_total, self.top_k, self.capacity_factor)
-        most = load.max().reshape(1).to(torch.int64)
+        most = choices.load().max().reshape(1).to(torch.int64)
         if self.ep > 1:
             ops.all_reduce(most, self.mesh, self.axis, op="max")
         return max(1, int(most.item()))
@@ -137,7 +137,7 @@ class MoE(nn.Module):
         g = tokens // s
         xg = x.reshape(g, s, d)
         choices = self.router(xg)
-        c = self.capacity(s, choices.load())
+        c = self.capacity(s, choices)
         routing = assign(choices, c)
 
         # Dispatch: claim (group, token, k) -> row expert·G·C + group·C + position of [E·G·C (+1)];
