@@ -261,6 +261,17 @@ def test_moe_layer_is_the_gated_sum_of_its_experts():
         MoE(d, 16, E, capacity_factor=-1)
 
 
+def test_moe_in_bfloat16_routes_in_float32():
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, top_k=1, capacity_factor=0.0, dtype=torch.bfloat16)
+    x = torch.randn(2, 5, 8, dtype=torch.bfloat16, requires_grad=True)
+    y, stats = moe(x)
+    assert y.dtype == torch.bfloat16 and stats.aux_loss.dtype == torch.float32
+    (y.float().sum() + stats.aux_loss + stats.z_loss).backward()
+    assert x.grad.dtype == torch.bfloat16 and moe.experts.w1.grad.dtype == torch.bfloat16
+    assert int(stats.dropped) == 0 and int(stats.tokens_per_expert.sum()) == 10
+
+
 # --- expert parallelism ---------------------------------------------------------------------------
 
 D, FF, E, TOKENS = 8, 12, 4, (2, 6)  # each rank's micro-batch: 2 sequences of 6 tokens, one group
