@@ -15,7 +15,17 @@ import torch
 from plait.comm import ops
 from plait.errors import ConfigError
 from plait.mesh import Mesh
-from plait.moe import MoE, Router, Routing, choose, expert_capacity, load_balancing_loss, route, router_z_loss
+from plait.moe import (
+    MoE,
+    Router,
+    Routing,
+    attach_loss,
+    choose,
+    expert_capacity,
+    load_balancing_loss,
+    route,
+    router_z_loss,
+)
 from plait.moe.experts import Experts, is_expert_param
 from plait.placement import gather_full, placement
 from plait.testing import run_ranks
@@ -270,6 +280,30 @@ def test_moe_in_bfloat16_routes_in_float32():
     (y.float().sum() + stats.aux_loss + stats.z_loss).backward()
     assert x.grad.dtype == torch.bfloat16 and moe.experts.w1.grad.dtype == torch.bfloat16
     assert int(stats.dropped) == 0 and int(stats.tokens_per_expert.sum()) == 10
+
+
+def test_attach_loss_trains_the_router_as_an_added_loss():
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, top_k=2, capacity_factor=1.0)
+    x, w = torch.randn(3, 8), torch.randn(3, 8)
+    grads = []
+    for attached in (False, True):
+        moe.zero_grad()
+        y, st = moe(x)
+        if attached:
+            ((attach_loss(y, 0.3 * st.aux_loss + 0.02 * st.z_loss, 0.5)) * w).sum().backward()
+        else:
+            ((y * w).sum() + 0.5 * (0.3 * st.aux_loss + 0.02 * st.z_loss)).backward()
+        grads.append(moe.router.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=0)
+    assert float((grads[0] - moe_router_grad_without_losses(moe, x, w)).abs().max()) > 1e-4
+
+
+def moe_router_grad_without_losses(moe, x, w):
+    moe.zero_grad()
+    y, _ = moe(x)
+    (y * w).sum().backward()
+    return moe.router.weight.grad.clone()
 
 
 # --- expert parallelism ---------------------------------------------------------------------------

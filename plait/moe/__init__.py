@@ -5,7 +5,7 @@
 """
 
 from plait.moe.experts import Experts, is_expert_param
-from plait.moe.layer import MoE, MoEStats
+from plait.moe.layer import MoE, MoEStats, attach_loss
 from plait.moe.router import (
     Choices,
     Router,
@@ -26,6 +26,7 @@ __all__ = [
     "Router",
     "Routing",
     "assign",
+    "attach_loss",
     "choose",
     "expert_capacity",
     "is_expert_param",

@@ -42,7 +42,7 @@ from plait.moe.router import Choices, Router, assign, expert_capacity, load_bala
 if TYPE_CHECKING:
     from plait.mesh import Mesh
 
-__all__ = ["MoE", "MoEStats"]
+__all__ = ["MoE", "MoEStats", "attach_loss"]
 
 
 @dataclasses.dataclass
@@ -69,6 +69,29 @@ class MoEStats:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+class _AttachLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, loss, scale):
+        ctx.scale, ctx.like = scale, (loss.shape, loss.dtype, loss.device)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.like
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def attach_loss(y: Tensor, loss: Tensor, scale: float = 1.0) -> Tensor:
+    """`y` unchanged, with `loss` (a scalar, e.g. `stats.aux_loss`) riding on its backward: when
+    the gradient of `y` arrives, `loss` receives gradient `scale`, as if `scale · loss` had been
+    added to the objective. A model can then return only its activations (a pipeline stage, a
+    plain `nn.Module` block) and still train its routers on the auxiliary losses; `scale` carries
+    the coefficient and the objective's own normalisation (e.g. 1/micro-batches)."""
+    if not (y.requires_grad and loss.requires_grad):
+        return y
+    return _AttachLoss.apply(y, loss, float(scale))
 
 
 class MoE(nn.Module):
