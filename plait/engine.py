@@ -113,10 +113,12 @@ class AccumulatingEngine:
         return contextlib.nullcontext()
 
     def forward_backward(self, micro_batches: MicroBatches, loss_scale: float, autocast: Autocast = None):
+        from plait.moe.parallel import objective_scale  # auxiliary losses weighted as the main one
+
         total = None
         for i, (x, y) in enumerate(micro_batches):
             sync = contextlib.nullcontext() if i == len(micro_batches) - 1 else self.no_sync()
-            with sync:
+            with sync, objective_scale(loss_scale):
                 with autocast() if autocast is not None else contextlib.nullcontext():
                     loss_sum = self.module(x, y, reduction="sum")
                 (loss_sum * loss_scale).backward()

@@ -37,4 +37,9 @@ def gpt_train_flops_per_token(cfg: GPTConfig, recompute: bool = False) -> float:
     # Multiplied out: 72 L h^2 + 12 L s h + 6 h V (resp. 96 L h^2 + 16 L s h + 6 h V), in
     # integers so that the value is exact; the terms are the GEMMs, attention scores and logits.
     layer_passes = 4 if recompute else 3
-    return float(layer_passes * (24 * L * h * h + 4 * L * s * h) + 6 * h * V)
+    # Mixture of experts counts the active parameters: a MoE layer's token goes through top_k
+    # experts (k - 1 more MLPs of 2 x 2·h·d_ff FLOPs forward) and the router (2·h·E).
+    moe = (
+        cfg.n_moe_layers * ((cfg.top_k - 1) * 4 * h * cfg.ff_dim + 2 * h * cfg.experts) if cfg.experts else 0
+    )
+    return float(layer_passes * (24 * L * h * h + 4 * L * s * h + moe) + 6 * h * V)

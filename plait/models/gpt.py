@@ -51,6 +51,18 @@ class GPTConfig:
     """Share lm_head.weight with wte.weight."""
     bias: bool = True
     """Biases in the linear layers and LayerNorms."""
+    experts: int = 0
+    """Experts per mixture-of-experts layer; 0 = a dense model (plait.moe)."""
+    moe_every: int = 2
+    """With experts: every moe_every-th block (the 2nd, 4th, ... for 2) has a MoE layer as its MLP."""
+    top_k: int = 2
+    """Experts per token: 1 (Switch) or 2 (GShard)."""
+    capacity_factor: float = 1.25
+    """Expert capacity per group of one sequence: ceil(top_k x factor x seq_len / experts); 0 = dropless."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch's alpha), per MoE layer."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss (ST-MoE), per MoE layer."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -67,6 +79,30 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if not isinstance(self.experts, int) or self.experts < 0:
+            raise ConfigError(f"GPTConfig.experts must be an integer >= 0 (0 = dense), got {self.experts!r}")
+        if self.experts:
+            if self.top_k not in (1, 2) or self.top_k > self.experts:
+                raise ConfigError(
+                    f"GPTConfig.top_k = {self.top_k} is not valid with {self.experts} experts; valid: 1, 2 "
+                    "(and at most experts)"
+                )
+            if self.capacity_factor < 0:
+                raise ConfigError(
+                    f"GPTConfig.capacity_factor must be >= 0 (0 = dropless), got {self.capacity_factor}"
+                )
+            if not isinstance(self.moe_every, int) or self.moe_every < 1:
+                raise ConfigError(f"GPTConfig.moe_every must be a positive integer, got {self.moe_every!r}")
+            if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
+                raise ConfigError("GPTConfig.aux_loss_coef and z_loss_coef must be >= 0")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) has a mixture-of-experts MLP."""
+        return self.experts > 0 and (layer + 1) % self.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.n_layer))
 
     @property
     def ff_dim(self) -> int:
@@ -81,16 +117,17 @@ class GPTConfig:
         """Exact number of distinct parameters that ``GPT(self)`` creates (tied weights once)."""
         d, f, b = self.d_model, self.ff_dim, int(self.bias)
         layer_norm = d + b * d
+        mlp = (d * f + b * f) + (f * d + b * d)  # mlp.fc, mlp.proj (one expert's, with experts)
         block = (
             2 * layer_norm
             + (d * 3 * d + b * 3 * d)  # attn.qkv
             + (d * d + b * d)  # attn.proj
-            + (d * f + b * f)  # mlp.fc
-            + (f * d + b * d)  # mlp.proj
+            + mlp
         )
+        moe = self.n_moe_layers * ((self.experts - 1) * mlp + d * self.experts)  # more experts, router
         embeddings = self.vocab_size * d + self.seq_len * d
         head = 0 if self.tie_weights else self.vocab_size * d
-        return embeddings + self.n_layer * block + layer_norm + head
+        return embeddings + self.n_layer * block + moe + layer_norm + head
 
 
 # Named sizes, kept as constructor arguments so that every call hands out a fresh config.
@@ -192,15 +229,46 @@ class FeedForward(nn.Module):
         return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
 
 
-class Block(nn.Module):
-    """One pre-LayerNorm transformer block (GPT-2 §2.3)."""
+class MoEFeedForward(nn.Module):
+    """A mixture-of-experts MLP (plait.moe): the tokens of each sequence are one routing group;
+    the load-balancing and z losses, weighted by their coefficients, join the objective on the
+    output's backward (`plait.moe.attach_loss`, scaled as `plait.moe.objective_scale` says), and
+    the routing statistics of training forwards are kept for the trainer's log (`stats`)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        from plait.moe import MoE
+        from plait.moe.parallel import StatsHolder
+
+        self.moe = MoE(cfg.d_model, cfg.ff_dim, cfg.experts, cfg.top_k, cfg.capacity_factor, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.aux_coef, self.z_coef = cfg.aux_loss_coef, cfg.z_loss_coef
+        self.stats = StatsHolder()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from plait.moe import attach_loss
+        from plait.moe.parallel import current_objective_scale
+
+        self.moe.group_size = x.shape[-2]  # one sequence per group, whatever the layout
+        y, stats = self.moe(x)
+        if self.training and torch.is_grad_enabled():
+            self.stats.add(stats)
+            scale = current_objective_scale()
+            tokens = x.numel() // x.shape[-1]
+            weight = 1.0 if scale is None else scale * tokens  # coef x aux per forward, or its share
+            y = attach_loss(y, self.aux_coef * stats.aux_loss + self.z_coef * stats.z_loss, weight)
+        return self.dropout(y)
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block (GPT-2 §2.3); with `moe`, a mixture-of-experts MLP."""
+
+    def __init__(self, cfg: GPTConfig, moe: bool = False) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.mlp = FeedForward(cfg)
+        self.mlp = MoEFeedForward(cfg) if moe else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -227,7 +295,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe(i)) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:

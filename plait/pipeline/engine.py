@@ -218,7 +218,9 @@ class PipelineEngine:
         inputs, targets = [x for x, _ in micro_batches], [y for _, y in micro_batches]
         if self.zero is not None:  # ZeRO-3: the stages' parameters, gathered once for the step
             self.zero.gather_params()
-        with autocast() if autocast is not None else contextlib.nullcontext():
+        from plait.moe.parallel import objective_scale  # auxiliary losses weighted as the main one
+
+        with autocast() if autocast is not None else contextlib.nullcontext(), objective_scale(loss_scale):
             loss = self.runtime.step(inputs, targets, loss_scale, record=record)
         self._sync_grads()
         return loss

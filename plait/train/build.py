@@ -31,6 +31,10 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
     ratio) on matrices only; sharded LAMB/LARS reduce their per-layer norms over the shard axis,
     so each shard sees its whole layer's norms."""
     t, p, o = cfg.train, cfg.parallel, cfg.offload
+    if p.ep > 1:  # each MoE layer keeps this rank's experts; tokens reach them by all-to-all
+        from plait.moe.parallel import apply_ep
+
+        apply_ep(raw, mesh)
     if p.tp > 1:
         apply_tp(raw, mesh, sequence_parallel=p.sequence_parallel, seed=t.seed + 1000 * (1 + mesh.rank("dp")))
     if t.activation_checkpointing and p.pp == 1:  # a pipeline recomputes per stage
@@ -86,9 +90,10 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
             ),
         )
 
-    extra = {}
-    if p.zero_stage <= 2:  # stage 0: the bucket all-reduce; stages 1-2: the bucket reduce-scatter
-        extra["comm_hook"] = comm_hook
+    # stage 0: the bucket all-reduce; stages 1-3: the bucket (unit) reduce-scatter
+    extra = {"comm_hook": comm_hook}
+    if p.ep > 1:  # the batch is split over dp x ep
+        extra["data_axes"] = ("dp", "ep")
     if p.zero_stage > 0:
         extra.update(
             mixed_precision="bf16" if t.bf16 else None,
@@ -114,6 +119,12 @@ def describe_engine(cfg: Config, engine) -> str:
     tp = ""
     if p.tp > 1:
         tp = f"tensor parallel over {p.tp}" + (" + sequence parallel" if p.sequence_parallel else "") + ", "
+    m = cfg.model
+    if m.experts:
+        tp += f"{m.experts} experts top-{m.top_k} every {m.moe_every} block(s)"
+        if p.ep > 1:
+            tp += f", expert parallel over {p.ep} ({m.experts // p.ep} per rank, batch over dp x ep)"
+        tp += ", "
     if p.pp > 1:
         s = engine.schedule
         what = (

@@ -44,6 +44,14 @@ class ModelConfig:
     seq_len: int | None = _f(None, "context length in tokens (default: from the named size)")
     dropout: float = _f(0.0, "dropout probability on attention, residual and embedding outputs")
     tie_weights: bool = _f(True, "share the token embedding with the output head")
+    experts: int = _f(0, "experts per mixture-of-experts layer (plait.moe); 0 = a dense model")
+    moe_every: int = _f(2, "with experts: every moe_every-th block has a MoE layer as its MLP")
+    top_k: int = _f(2, "experts per token: 1 (Switch) or 2 (GShard)")
+    capacity_factor: float = _f(
+        1.25, "expert capacity per sequence: ceil(top_k x factor x seq_len / experts); 0 = dropless"
+    )
+    aux_loss_coef: float = _f(0.01, "weight of the load-balancing loss, per MoE layer (Switch's alpha)")
+    z_loss_coef: float = _f(0.001, "weight of the router z-loss, per MoE layer (ST-MoE)")
 
 
 @dataclasses.dataclass
@@ -100,7 +108,9 @@ class ParallelConfig:
     virtual_stages: int = _f(
         0, "stages per pipeline rank: 0 = the schedule's own (2 for interleaved and zb-v)"
     )
-    ep: int = _f(1, "expert-parallel degree (only 1 for now)")
+    ep: int = _f(
+        1, "expert-parallel degree: each MoE layer's experts split over ep ranks (needs model.experts)"
+    )
     bucket_mb: float = _f(25.0, "gradient bucket size in MB for the data-parallel all-reduce")
     sequence_parallel: bool = _f(
         False, "with tp > 1: LayerNorm, dropout and residual regions split along the sequence"
@@ -326,11 +336,7 @@ def validate(cfg: Config) -> None:
     t, p = cfg.train, cfg.parallel
     for name in ("dp", "tp", "pp", "ep"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-    _require(
-        p.ep == 1,
-        f"parallel.ep = {p.ep} is not available yet: data, tensor and pipeline parallelism are "
-        "implemented in this version; set parallel.ep = 1",
-    )
+    _validate_moe(cfg)
     _require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
     for name in ("steps", "global_batch", "micro_batches", "log_every", "eval_batches", "keep_checkpoints"):
         _require(getattr(t, name) >= 1, f"train.{name} must be >= 1, got {getattr(t, name)}")
@@ -344,11 +350,12 @@ def validate(cfg: Config) -> None:
     _require(t.grad_clip >= 0 and t.weight_decay >= 0, "train.grad_clip and train.weight_decay must be >= 0")
     _require(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {t.device!r}")
     _require(t.peak_tflops >= 0, "train.peak_tflops must be >= 0")
-    per = p.dp * t.micro_batches
+    per = p.dp * p.ep * t.micro_batches  # the batch is split over dp x ep
     if t.global_batch % per:
         lo, hi = (t.global_batch // per) * per, math.ceil(t.global_batch / per) * per
+        ranks = f"parallel.dp = {p.dp}" + (f" x parallel.ep = {p.ep}" if p.ep > 1 else "")
         raise ConfigError(
-            f"train.global_batch = {t.global_batch} does not split into parallel.dp = {p.dp} ranks x "
+            f"train.global_batch = {t.global_batch} does not split into {ranks} ranks x "
             f"train.micro_batches = {t.micro_batches}: use a multiple of {per} (e.g. {lo or hi} or {hi})"
         )
     _require(
@@ -574,6 +581,57 @@ def _validate_zero(cfg: Config) -> None:
         check_writable_dir(o.path, "offload.path")
 
 
+def _validate_moe(cfg: Config) -> None:
+    """Mixture of experts (`model.experts`) and expert parallelism (`parallel.ep`)."""
+    m, p = cfg.model, cfg.parallel
+    _require(m.experts >= 0, f"model.experts must be >= 0 (0 = dense), got {m.experts}")
+    _require(
+        p.ep == 1 or m.experts > 0,
+        f"parallel.ep = {p.ep} splits the experts of mixture-of-experts layers, and the model is dense: "
+        "set model.experts (e.g. 4) or parallel.ep = 1",
+    )
+    if not m.experts:
+        return
+    _require(m.top_k in (1, 2), f"model.top_k = {m.top_k} is not valid; valid: 1 (Switch), 2 (GShard)")
+    _require(m.top_k <= m.experts, f"model.top_k = {m.top_k} is more than model.experts = {m.experts}")
+    _require(
+        m.experts % p.ep == 0,
+        f"model.experts = {m.experts} does not divide over parallel.ep = {p.ep}: use a multiple of {p.ep}",
+    )
+    _require(
+        m.capacity_factor >= 0, f"model.capacity_factor must be >= 0 (0 = dropless), got {m.capacity_factor}"
+    )
+    _require(m.moe_every >= 1, f"model.moe_every must be >= 1, got {m.moe_every}")
+    _require(
+        m.aux_loss_coef >= 0 and m.z_loss_coef >= 0,
+        f"model.aux_loss_coef and model.z_loss_coef must be >= 0, got {m.aux_loss_coef}, {m.z_loss_coef}",
+    )
+    for key, value, why in (
+        (
+            "parallel.tp",
+            p.tp,
+            "MoE layers take no tensor-parallel plan yet (under SP their groups would be sequence shards)",
+        ),
+        ("parallel.pp", p.pp, "MoE blocks in pipeline stages are not tested yet"),
+    ):
+        _require(
+            value == 1,
+            f"model.experts = {m.experts} with {key} = {value} is not available: {why}; set {key} = 1",
+        )
+    if p.ep > 1:
+        _require(
+            p.zero_stage == 0,
+            f"parallel.ep = {p.ep} with parallel.zero_stage = {p.zero_stage} is not available yet: ZeRO "
+            "would shard expert parameters over their own replica group (dp) and dense ones over dp x ep, "
+            "and its shard axis is one; use zero_stage = 0 (ZeRO with experts works at parallel.ep = 1)",
+        )
+        _require(
+            cfg.comm.compression == "none",
+            f"parallel.ep = {p.ep} with comm.compression = {cfg.comm.compression!r} is not available yet; "
+            "set comm.compression = 'none'",
+        )
+
+
 def check_writable_dir(path: str, key: str) -> None:
     """Create `path` if needed and write a probe file, or raise a ConfigError naming `key`."""
     import os
@@ -617,7 +675,11 @@ def model_config(cfg: Config):
         for k in ("n_layer", "n_head", "d_model", "d_ff", "seq_len")
         if getattr(m, k) is not None
     }
-    return gpt_config(m.name, dropout=m.dropout, tie_weights=m.tie_weights, **overrides)
+    moe = {
+        k: getattr(m, k)
+        for k in ("experts", "moe_every", "top_k", "capacity_factor", "aux_loss_coef", "z_loss_coef")
+    }
+    return gpt_config(m.name, dropout=m.dropout, tie_weights=m.tie_weights, **overrides, **moe)
 
 
 def describe_keys() -> str:

@@ -45,14 +45,26 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes the batch is split over: dp, and ep under expert parallelism (each ep rank
+    routes its own rows' tokens to the experts of every ep rank)."""
+    return ("dp", "ep") if mesh.size("ep") > 1 else ("dp",)
+
+
+def data_axis(mesh: Mesh) -> str:
+    """`data_axes` as one (combined) mesh axis: its size and this rank's index in it split the
+    rows of every batch."""
+    return mesh.axis_over(data_axes(mesh))
+
+
 @torch.no_grad()
 def evaluate(engine: Engine, batches, mesh: Mesh, device: torch.device, bf16: bool) -> float:
-    """Mean held-out loss per token; each dp rank evaluates its rows of every batch through the
-    engine (forward only; a pipeline runs them through its stages)."""
+    """Mean held-out loss per token; each data-parallel rank (dp x ep) evaluates its rows of
+    every batch through the engine (forward only; a pipeline runs them through its stages)."""
     model = engine.module
     was_training = model.training
     model.eval()
-    n, r = mesh.size("dp"), mesh.rank("dp")
+    n, r = mesh.size(data_axis(mesh)), mesh.rank(data_axis(mesh))
     total, count = 0.0, 0
     for x, y in batches:
         rows = x.shape[0] // n
@@ -61,8 +73,8 @@ def evaluate(engine: Engine, batches, mesh: Mesh, device: torch.device, bf16: bo
             total += float(engine.eval_loss_sum(xs, ys))
         count += ys.numel()
     model.train(was_training)
-    total = comm.all_reduce_scalar(total, mesh, ("dp", "pp"))  # a pipeline's loss is on its last stage
-    count = comm.all_reduce_scalar(count, mesh, ("dp",))
+    total = comm.all_reduce_scalar(total, mesh, (*data_axes(mesh), "pp"))  # a pipeline's: last stage
+    count = comm.all_reduce_scalar(count, mesh, data_axes(mesh))
     return total / count
 
 
@@ -220,12 +232,12 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> _
 
     mcfg = model_config(cfg)
     corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)
-    dp = mesh.size("dp")
+    dp = mesh.size(data_axis(mesh))  # data-parallel ranks: dp, or dp x ep
     sampler = DistributedBatchSampler(
         corpus.train,
         mcfg.seq_len,
         t.global_batch,
-        mesh.rank("dp"),
+        mesh.rank(data_axis(mesh)),
         dp,
         t.seed,
         micro_batches=micro_batches_per_step(cfg),
@@ -243,7 +255,7 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> _
     )
     # dropout streams differ per data-parallel replica; tensor-parallel peers share theirs, as
     # they must for dropout on replicated activations (split ones use apply_tp's own stream)
-    torch.manual_seed(t.seed + 1 + mesh.rank("dp"))
+    torch.manual_seed(t.seed + 1 + mesh.rank(data_axis(mesh)))
 
     start = 0
     if resume:
@@ -273,7 +285,7 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> _
         last=last,
         n_params=n_params,
         tokens_per_step=tokens_per_step,
-        local_tokens=tokens_per_step // dp,
+        local_tokens=tokens_per_step // dp,  # dp: the data-parallel ranks (x ep)
         # model FLOPs: recomputation is overhead, not useful work, so MFU never counts it
         flops_per_token=gpt_train_flops_per_token(mcfg, recompute=False),
         peak_flops=peak,
@@ -344,7 +356,7 @@ def _train_step(run: _Run, step: int) -> dict:
     run.scheduler.step()
     engine.zero_grad(set_to_none=True)
     mesh.ledger.set_step(-1)  # the loss report is not part of the step's traffic
-    loss = comm.all_reduce_scalar(float(local_sum), mesh, ("dp", "pp")) / run.tokens_per_step
+    loss = comm.all_reduce_scalar(float(local_sum), mesh, (*data_axes(mesh), "pp")) / run.tokens_per_step
     return {
         "step": step,
         "loss": loss,
@@ -378,12 +390,42 @@ def _log(run: _Run, step: int, record: dict, window: _Window) -> None:
         comm_bytes=mesh.ledger.total(step, "bus_bytes"),
         comm_uncompressed_bytes=mesh.ledger.total(step, "logical_bytes"),
     )
+    moe = _moe_record(run)
+    if moe is not None:
+        record["moe"] = moe
     _say(
         mesh,
         f"step {step:>5}/{run.cfg.train.steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
         f"{tok_s:>8,.0f} tok/s | MFU {mfu:6.2%} | peak mem {mem / 2**20:,.0f} MiB",
     )
     window.t0, window.steps = time.perf_counter(), 0
+
+
+def _moe_record(run: _Run) -> dict | None:
+    """The mixture-of-experts statistics of the training forwards since the last log, summed over
+    the data-parallel ranks (dp x ep; every rank calls it): claims per expert of each MoE layer,
+    the fraction of claims dropped over capacity, and the mean load-balancing and z losses."""
+    from plait.moe.parallel import moe_stats
+
+    layers = moe_stats(run.engine.module)
+    if not layers:
+        return None
+    experts = run.cfg.model.experts
+    rows = []
+    for s in layers:
+        load = s["load"] if s is not None else torch.zeros(experts, dtype=torch.float64)
+        rest = [s[k] for k in ("dropped", "claims", "aux", "z", "forwards")] if s is not None else [0.0] * 5
+        rows.append(torch.cat([load.double(), torch.tensor(rest, dtype=torch.float64)]))
+    flat = torch.stack(rows).to(run.mesh.device)
+    comm.all_reduce(flat, run.mesh, data_axis(run.mesh))
+    flat = flat.cpu()
+    load, (dropped, claims, aux, z, forwards) = flat[:, :experts], flat[:, experts:].sum(0).tolist()
+    return {
+        "tokens_per_expert": [[int(v) for v in row] for row in load.tolist()],
+        "dropped_fraction": dropped / max(claims, 1.0),
+        "aux_loss": aux / max(forwards, 1.0),
+        "z_loss": z / max(forwards, 1.0),
+    }
 
 
 def _write_timeline(engine, mesh: Mesh, run_dir: Path, step_time: float) -> None:
@@ -477,6 +519,10 @@ def _finish(run: _Run, loss: float, val_loss: float | None) -> dict:
         title=f"plait GPT, mesh {mesh.shape_str()}",
         baseline=summary["unigram_entropy_bits"] * math.log(2),
     )
+    if any("moe" in r for r in records):
+        from plait.moe.plot import plot_expert_load
+
+        plot_expert_load(records, run_dir / "expert_load.png", title=f"expert load, mesh {mesh.shape_str()}")
     if val_loss is not None:
         summary["val_bits_per_byte"] = val_loss / math.log(2)
         _say(

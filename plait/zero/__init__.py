@@ -114,8 +114,13 @@ class Stage0(AccumulatingEngine):
         pass  # loaded in place into the parameters and optimizer state
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole (tensor-parallel shards gathered by their placements)."""
-        return {n: gather_full(p, self.mesh, "tp") for n, p in self.raw.named_parameters()}
+        """Every parameter, whole (tensor- and expert-parallel shards gathered by their placements)."""
+        out = {}
+        for n, p in self.raw.named_parameters():
+            pl = placement(p)
+            axis = next((a for a in ("tp", "ep") if pl.shard(a) is not None), "tp")
+            out[n] = gather_full(p, self.mesh, axis)
+        return out
 
     def close(self) -> None:
         self.module.remove_hooks()
@@ -138,6 +143,7 @@ def wrap(
     reshard_after_forward: bool = True,
     allow_unused: bool = False,
     comm_hook=None,
+    data_axes: tuple[str, ...] = ("dp",),
 ):
     """Shard `model` and its optimizer over the mesh's dp axis with ZeRO stage `stage`.
 
@@ -163,6 +169,8 @@ def wrap(
             reduce-scatter (stages 1-3, through its `reduce_scatter`; stage 3 not with tp).
             1-bit Adam's `MomentumHook` goes here too (stages 0-2), with its `OneBitAdam` from
             `optimizer` (plait.optim.onebit_adam).
+        data_axes: the axes the batch is split over; ("dp", "ep") under expert parallelism
+            (stage 0 only): dense gradients are averaged over dp x ep, experts' over dp.
 
     Returns an engine with `module` (call it), `optimizer` (the torch optimizer, for LR
     schedulers), `step()`, `zero_grad()`, `clip_grad_norm_(max)`, `grad_norm()`, `no_sync()`,
@@ -194,6 +202,12 @@ def wrap(
             bucket_mb=bucket_mb,
             allow_unused=allow_unused,
             comm_hook=comm_hook,
+            axes=data_axes,
+        )
+    if tuple(a for a in data_axes if mesh.size(a) > 1) not in ((), ("dp",)):
+        raise ConfigError(
+            f"ZeRO stage {stage} shards over dp alone; data_axes = {data_axes} (expert parallelism) "
+            "runs at stage 0"
         )
     shard_axis, replicate_axis = "dp", None
     if hybrid_shard:
