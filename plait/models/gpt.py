@@ -244,11 +244,19 @@ class MoEFeedForward(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.aux_coef, self.z_coef = cfg.aux_loss_coef, cfg.z_loss_coef
         self.stats = StatsHolder()
+        self.sequence_parallel = None  # (mesh, axis, seq_dim) under sequence parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from plait.comm.autograd import gather_from_sequence
         from plait.moe import attach_loss
         from plait.moe.parallel import current_objective_scale
 
+        sp, share = self.sequence_parallel, 1.0
+        if sp is not None:  # route whole sequences: gather this rank's slice with the others'
+            mesh, axis, dim = sp
+            n, mine = x.shape[dim], mesh.rank(axis)
+            x = gather_from_sequence(x, mesh, axis, dim)
+            share = 1.0 / mesh.size(axis)
         self.moe.group_size = x.shape[-2]  # one sequence per group, whatever the layout
         y, stats = self.moe(x)
         if self.training and torch.is_grad_enabled():
@@ -256,7 +264,11 @@ class MoEFeedForward(nn.Module):
             scale = current_objective_scale()
             tokens = x.numel() // x.shape[-1]
             weight = 1.0 if scale is None else scale * tokens  # coef x aux per forward, or its share
+            if sp is not None:  # every tp rank adds them: 1/tp each (their gradients are summed)
+                weight *= share
             y = attach_loss(y, self.aux_coef * stats.aux_loss + self.z_coef * stats.z_loss, weight)
+        if sp is not None:  # this rank's slice of the output
+            y = y.narrow(dim, mine * n, n)
         return self.dropout(y)
 
 
@@ -348,7 +360,9 @@ class GPT(nn.Module):
         tied or untied head as configured: what plait.tensor_parallel.apply_tp uses by default."""
         from plait.models.gpt_parallel import gpt_plan
 
-        return gpt_plan(self.cfg.tie_weights)
+        cfg = self.cfg
+        moe = tuple(i for i in range(cfg.n_layer) if cfg.is_moe(i))
+        return gpt_plan(cfg.tie_weights, moe, cfg.n_layer)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"

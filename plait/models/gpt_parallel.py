@@ -23,12 +23,14 @@ sequence parallelism (Korthikanti et al. 2022) on the LayerNorms, dropouts and p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from plait.pipeline.stage import stage_bounds
+from plait.placement import set_grad_partial
 from plait.tensor_parallel.apply import (
     Colwise,
     ParallelRandom,
@@ -102,12 +104,50 @@ def split_gpt(model, n_stages: int, split: str | Callable = "uniform") -> list[G
     return [GPTStage(model, i, n_stages, bounds[i], bounds[i + 1]) for i in range(n_stages)]
 
 
-def gpt_plan(tie_weights: bool = True) -> dict:
+@dataclasses.dataclass
+class ExpertsReplicated:
+    """The tensor-parallel style of a mixture-of-experts MLP (`MoEFeedForward`): its router and
+    experts stay whole on every tp rank (the experts are split over ep, not tp), and every tp
+    rank routes the same tokens. Under sequence parallelism its input is a sequence shard: the
+    layer gathers the whole sequences (so the routing groups are those of one process), computes
+    them, and keeps its shard of the output; each rank's parameter gradients then come from its
+    own shard's tokens only, so they are partial over tp (summed there by the gradient
+    synchroniser), and the auxiliary losses join the objective 1/tp per rank."""
+
+    dim: str | None = None
+
+    def apply(self, name: str, m: nn.Module, ctx) -> nn.Module:
+        from plait.tensor_parallel.rng import run_on_parallel_stream
+
+        if ctx.sequence_parallel:
+            m.sequence_parallel = (ctx.mesh, ctx.axis, ctx.seq_dim)
+            for p in m.parameters():
+                set_grad_partial(p, ctx.axis)
+            run_on_parallel_stream(m.dropout, ctx.rng)
+        return m
+
+
+def gpt_plan(tie_weights: bool = True, moe_layers: tuple[int, ...] = (), n_layer: int = 0) -> dict:
     """Megatron-LM's tensor-parallel split of plait's GPT (`plait.tensor_parallel.apply_tp`):
     heads (qkv column, projection row), MLP (column then row), vocabulary-parallel embedding and
     head (sharing the embedding's shard when `tie_weights`); with sequence parallelism the
     LayerNorms, dropouts and position embedding work on sequence shards. The named dims ("vocab",
-    "heads", "d_ff") are what layout rules map. `GPT.tp_plan()` returns this for its config."""
+    "heads", "d_ff") are what layout rules map. Blocks `moe_layers` (of `n_layer`) have a
+    mixture-of-experts MLP, kept whole (`ExpertsReplicated`). `GPT.tp_plan()` returns this for
+    its config."""
+    plan = _dense_plan(tie_weights)
+    if not moe_layers:
+        return plan
+    mlp = {k: plan.pop(k) for k in [k for k in plan if k.startswith("blocks.*.mlp.")]}
+    for i in range(n_layer):
+        if i in moe_layers:
+            plan[f"blocks.{i}.mlp"] = ExpertsReplicated()
+        else:
+            plan.update({k.replace("*", str(i)): style for k, style in mlp.items()})
+    return plan
+
+
+def _dense_plan(tie_weights: bool) -> dict:
     return {
         "wte": VocabEmbedding(dim="vocab"),
         "wpe": PositionSharded(),

@@ -606,18 +606,11 @@ def _validate_moe(cfg: Config) -> None:
         m.aux_loss_coef >= 0 and m.z_loss_coef >= 0,
         f"model.aux_loss_coef and model.z_loss_coef must be >= 0, got {m.aux_loss_coef}, {m.z_loss_coef}",
     )
-    for key, value, why in (
-        (
-            "parallel.tp",
-            p.tp,
-            "MoE layers take no tensor-parallel plan yet (under SP their groups would be sequence shards)",
-        ),
-        ("parallel.pp", p.pp, "MoE blocks in pipeline stages are not tested yet"),
-    ):
-        _require(
-            value == 1,
-            f"model.experts = {m.experts} with {key} = {value} is not available: {why}; set {key} = 1",
-        )
+    _require(
+        p.pp == 1,
+        f"model.experts = {m.experts} with parallel.pp = {p.pp} is not available: MoE blocks in pipeline "
+        "stages are not tested yet; set parallel.pp = 1",
+    )
     if p.ep > 1:
         _require(
             p.zero_stage == 0,
