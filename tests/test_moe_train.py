@@ -31,6 +31,8 @@ LAYOUTS = {
     "ep2-sgd": ("--parallel.dp", "1", "--parallel.ep", "2", *SGD),
     "ep2xtp2": ("--parallel.dp", "1", "--parallel.ep", "2", "--parallel.tp", "2"),
     "tp2-sp": ("--parallel.dp", "1", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"),
+    "pp2": ("--parallel.dp", "1", "--parallel.pp", "2"),
+    "pp2xdp2-zbh1": ("--parallel.dp", "2", "--parallel.pp", "2", "--parallel.schedule", "zb-h1"),
     "one-dropless": ("--parallel.dp", "1", "--model.capacity_factor", "0", "--model.top_k", "1"),
     "ep2-dropless": (
         *("--parallel.dp", "1", "--parallel.ep", "2"),
@@ -60,6 +62,8 @@ def runs(tmp_path_factory):
         ("zero3", "one"),
         ("ep2xtp2", "one"),
         ("tp2-sp", "one"),
+        ("pp2", "one"),
+        ("pp2xdp2-zbh1", "one"),
         ("ep2-sgd", "one-sgd"),
         ("ep2-dropless", "one-dropless"),
     ],
@@ -68,7 +72,10 @@ def test_every_layout_follows_one_process(runs, name, reference):
     assert_runs_match(runs[name], runs[reference], what=f"{name} vs {reference}")
 
 
-@pytest.mark.parametrize("name", ["dp2", "ep2", "dp2xep2", "zero3", "ep2xtp2", "tp2-sp"])
+LAYOUT_FREE = ["dp2", "ep2", "dp2xep2", "zero3", "ep2xtp2", "tp2-sp", "pp2", "pp2xdp2-zbh1"]
+
+
+@pytest.mark.parametrize("name", LAYOUT_FREE)
 def test_routing_statistics_do_not_depend_on_the_layout(runs, name):
     """Claims per expert and dropped fraction are equal; the auxiliary losses within 1e-5."""
     want, got = metrics(runs["one"]), metrics(runs[name])
@@ -162,11 +169,11 @@ def test_aux_loss_weight_follows_the_objective_scale():
         ([("model.experts", "4"), ("model.top_k", "3")], "valid: 1 (Switch), 2 (GShard)"),
         ([("model.experts", "1"), ("model.top_k", "2")], "more than model.experts = 1"),
         ([("model.experts", "4"), ("model.capacity_factor", "-1")], "capacity_factor must be >= 0"),
+        ([("model.experts", "4"), ("parallel.ep", "2"), ("parallel.pp", "2")], "pipeline's data parallelism"),
         (
             [("model.experts", "4"), ("parallel.ep", "2"), ("parallel.zero_stage", "1")],
             "ZeRO with experts works",
         ),
-        ([("model.experts", "4"), ("parallel.pp", "2")], "parallel.pp = 2 is not available"),
         (
             [("model.experts", "4"), ("parallel.ep", "2"), ("train.global_batch", "6")],
             "parallel.ep = 2 ranks",

@@ -235,11 +235,12 @@ class MoEFeedForward(nn.Module):
     output's backward (`plait.moe.attach_loss`, scaled as `plait.moe.objective_scale` says), and
     the routing statistics of training forwards are kept for the trainer's log (`stats`)."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, moe_index: int = 0) -> None:
         super().__init__()
         from plait.moe import MoE
         from plait.moe.parallel import StatsHolder
 
+        self.moe_index = moe_index  # its place among the model's MoE layers (for the log)
         self.moe = MoE(cfg.d_model, cfg.ff_dim, cfg.experts, cfg.top_k, cfg.capacity_factor, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
         self.aux_coef, self.z_coef = cfg.aux_loss_coef, cfg.z_loss_coef
@@ -275,12 +276,12 @@ class MoEFeedForward(nn.Module):
 class Block(nn.Module):
     """One pre-LayerNorm transformer block (GPT-2 §2.3); with `moe`, a mixture-of-experts MLP."""
 
-    def __init__(self, cfg: GPTConfig, moe: bool = False) -> None:
+    def __init__(self, cfg: GPTConfig, moe: bool = False, moe_index: int = 0) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.mlp = MoEFeedForward(cfg) if moe else FeedForward(cfg)
+        self.mlp = MoEFeedForward(cfg, moe_index) if moe else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -307,7 +308,9 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe(i)) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(
+            Block(cfg, cfg.is_moe(i), sum(cfg.is_moe(j) for j in range(i))) for i in range(cfg.n_layer)
+        )
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:

@@ -119,7 +119,10 @@ class StatsHolder:
         return out
 
 
-def moe_stats(model: nn.Module) -> list[dict]:
-    """Each MoE layer's accumulated statistics (in module order), reset as they are read; layers
-    that ran no training forward since the last call give None."""
-    return [m.stats.take() for m in model.modules() if isinstance(getattr(m, "stats", None), StatsHolder)]
+def moe_stats(model: nn.Module) -> list[tuple[int, dict | None]]:
+    """(layer index, accumulated statistics) of each MoE layer `model` holds, in module order,
+    reset as they are read; a layer that ran no training forward since the last call gives None.
+    The index is the holder's `moe_index` (its place among the whole model's MoE layers, so a
+    pipeline stage reports its layers under their global numbers), else the order here."""
+    holders = [m for m in model.modules() if isinstance(getattr(m, "stats", None), StatsHolder)]
+    return [(getattr(m, "moe_index", i), m.stats.take()) for i, m in enumerate(holders)]

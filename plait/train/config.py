@@ -606,12 +606,13 @@ def _validate_moe(cfg: Config) -> None:
         m.aux_loss_coef >= 0 and m.z_loss_coef >= 0,
         f"model.aux_loss_coef and model.z_loss_coef must be >= 0, got {m.aux_loss_coef}, {m.z_loss_coef}",
     )
-    _require(
-        p.pp == 1,
-        f"model.experts = {m.experts} with parallel.pp = {p.pp} is not available: MoE blocks in pipeline "
-        "stages are not tested yet; set parallel.pp = 1",
-    )
     if p.ep > 1:
+        _require(
+            p.pp == 1,
+            f"parallel.ep = {p.ep} with parallel.pp = {p.pp} is not available yet: the pipeline's data "
+            "parallelism averages over dp alone, and dense gradients must be averaged over dp x ep; "
+            "MoE blocks in a pipeline work at parallel.ep = 1",
+        )
         _require(
             p.zero_stage == 0,
             f"parallel.ep = {p.ep} with parallel.zero_stage = {p.zero_stage} is not available yet: ZeRO "

@@ -407,17 +407,20 @@ def _moe_record(run: _Run) -> dict | None:
     the fraction of claims dropped over capacity, and the mean load-balancing and z losses."""
     from plait.moe.parallel import moe_stats
 
-    layers = moe_stats(run.engine.module)
-    if not layers:
+    cfg = run.cfg.model
+    if not cfg.experts:
         return None
-    experts = run.cfg.model.experts
-    rows = []
-    for s in layers:
-        load = s["load"] if s is not None else torch.zeros(experts, dtype=torch.float64)
-        rest = [s[k] for k in ("dropped", "claims", "aux", "z", "forwards")] if s is not None else [0.0] * 5
-        rows.append(torch.cat([load.double(), torch.tensor(rest, dtype=torch.float64)]))
-    flat = torch.stack(rows).to(run.mesh.device)
+    experts, n_layers = cfg.experts, model_config(run.cfg).n_moe_layers
+    # one row per MoE layer of the whole model: this rank fills the rows of the layers it holds
+    # (a pipeline rank holds some), the sum over the data axes and pp gives every layer's totals
+    flat = torch.zeros(n_layers, experts + 5, dtype=torch.float64)
+    for i, s in moe_stats(run.engine.module):
+        if s is not None:
+            flat[i, :experts] = s["load"].double()
+            flat[i, experts:] = torch.tensor([s[k] for k in ("dropped", "claims", "aux", "z", "forwards")])
+    flat = flat.to(run.mesh.device)
     comm.all_reduce(flat, run.mesh, data_axis(run.mesh))
+    comm.all_reduce(flat, run.mesh, "pp")
     flat = flat.cpu()
     load, (dropped, claims, aux, z, forwards) = flat[:, :experts], flat[:, experts:].sum(0).tolist()
     return {
