@@ -55,7 +55,7 @@ BAD = [
         ["micro_batches = 3", "multiple of 6"],
     ),
     (None, ["--model.n_head", "3"], ["d_model = 128", "n_head = 3"]),
-    (None, ["--parallel.ep", "2"], ["parallel.ep", "not available yet"]),
+    (None, ["--parallel.ep", "2"], ["parallel.ep", "the model is dense", "model.experts"]),
     (None, ["--parallel.pp", "2", "--parallel.schedule", "zb"], ["parallel.schedule", "valid: gpipe, 1f1b"]),
     (
         None,
