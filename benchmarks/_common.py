@@ -153,3 +153,15 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def running_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the `window - 1` before it (fewer at the start): a loss curve
+    smoothed for plotting."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out

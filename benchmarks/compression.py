@@ -68,7 +68,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _common import command_line, machine_info, markdown_table, text_table
+from _common import command_line, machine_info, markdown_table, running_mean, text_table
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/default.toml"
@@ -479,16 +479,6 @@ def targets(runs: list[Run]) -> list[list[str]]:
 
 
 # --- plots -------------------------------------------------------------------------------------
-
-
-def running_mean(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
 
 
 def plot(runs: list[Run], path: Path, part: int, seq_len: int, batch: int) -> None:

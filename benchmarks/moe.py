@@ -108,6 +108,7 @@ from _common import (
     markdown_table,
     max_over_ranks,
     median_ms,
+    running_mean,
     text_table,
     timed_step,
 )
@@ -325,16 +326,6 @@ def train_all(args, workdir: Path) -> dict:
                 flush=True,
             )
     return results
-
-
-def running_mean(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
 
 
 def plot_loss(results: dict, path: Path) -> None:
