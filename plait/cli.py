@@ -83,7 +83,7 @@ def _train(argv: list[str]) -> int:
 
 
 # Checkpoints are saved layout-free (plait.zero.state): a run may resume on another dp degree,
-# tensor-parallel degree, pipeline (degree, schedule, micro-batches), ZeRO stage, hybrid group or
+# tensor- or expert-parallel degree, pipeline (degree, schedule, micro-batches), ZeRO stage, hybrid group or
 # bucket size, and DCP reads the shards the new layout needs.
 RESHARDABLE = (
     "parallel.pp",
@@ -91,6 +91,7 @@ RESHARDABLE = (
     "parallel.microbatches",
     "parallel.virtual_stages",
     "parallel.dp",
+    "parallel.ep",
     "parallel.tp",
     "parallel.sequence_parallel",
     "parallel.zero_stage",

@@ -30,7 +30,7 @@ WORLD = "world"  # a pseudo-axis spanning every rank of the mesh
 # axis): dense gradients with experts on ep (dp x ep), a loss over the pipeline's data-parallel
 # replicas (pp x dp), everything but tensor parallelism (pp x dp x ep).
 # ZeRO over a tensor-parallel model saves a tensor split both ways over dp x tp.
-DERIVED = (("dp", "ep"), ("pp", "dp"), ("pp", "dp", "ep"), ("dp", "tp"))
+DERIVED = (("dp", "ep"), ("pp", "dp"), ("pp", "dp", "ep"), ("dp", "tp"), ("dp", "ep", "tp"))
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -159,8 +159,9 @@ class Mesh:
             coordinate: shards are replicated here). Must divide dp.
 
     Combined axes: the mesh also builds, once, process groups over several axes at a time
-    (DERIVED: "dp*ep", "pp*dp", "pp*dp*ep"), usable by name like any axis, so that a quantity
-    reduced over several axes takes one collective (`axis_over(("pp", "dp"))` names it).
+    (DERIVED: "dp*ep", "pp*dp", "pp*dp*ep", "dp*tp", "dp*ep*tp"), usable by name like any axis,
+    so that a quantity reduced over several axes takes one collective (`axis_over(("pp",
+    "dp"))` names it).
     """
 
     def __init__(
@@ -277,7 +278,7 @@ class Mesh:
         """The one axis that covers every axis of `axes` at once: the axis itself for one, the
         combined axis for several (built with the mesh: see DERIVED), or None when that
         combination was not built."""
-        axes = tuple(axes)
+        axes = tuple(a for axis in axes for a in axis.split("*"))  # combined axes flattened
         if len(axes) == 1:
             return axes[0]
         name = derived_axis_name(axes)

@@ -56,6 +56,17 @@ class Placement:
 
 REPLICATED = Placement()
 
+MODEL_AXES = ("tp", "ep")  # the axes a parameter can be split over (tensor, expert parallelism)
+
+
+def split_axis(pl: Placement, mesh=None) -> str | None:
+    """The model axis `pl` splits its tensor over (of size > 1 when `mesh` is given), or None.
+    plait splits a tensor over one model axis at most: experts over ep, layers over tp."""
+    axes = [a for a, _ in pl.sharded if mesh is None or mesh.size(a) > 1]
+    if len(axes) > 1:
+        raise ValueError(f"a parameter split over several model axes {axes} is not supported")
+    return axes[0] if axes else None
+
 
 def placement(p: torch.Tensor) -> Placement:
     """The placement of parameter `p` (replicated when it has none)."""
@@ -155,11 +166,13 @@ def global_boxes(pl: Placement, local_shape, boxes: list, mesh, axis: str = "tp"
 
 
 @torch.no_grad()
-def gather_full(t: torch.Tensor, mesh, axis: str = "tp", pl: Placement | None = None) -> torch.Tensor:
-    """The whole canonical tensor of this rank's shard `t` (collective over `axis`), on the CPU."""
+def gather_full(t: torch.Tensor, mesh, axis: str | None = None, pl: Placement | None = None) -> torch.Tensor:
+    """The whole canonical tensor of this rank's shard `t` (collective over `axis`, by default
+    the axis its placement splits it over), on the CPU."""
     from plait import comm
 
     pl = pl or placement(t)
+    axis = axis or split_axis(pl) or "tp"
     s = pl.shard(axis)
     if s is None or mesh.size(axis) == 1:
         return t.detach().cpu().clone()

@@ -38,6 +38,25 @@ LAYOUTS = {
         *("--parallel.dp", "1", "--parallel.ep", "2"),
         *("--model.capacity_factor", "0", "--model.top_k", "1"),
     ),
+    # ZeRO shards the experts over their replica group (dp) and the rest over dp x ep
+    "dp2xep2-z3": ("--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero_stage", "3"),
+    "dp2xep2-z2-sgd": ("--parallel.dp", "2", "--parallel.ep", "2", "--parallel.zero_stage", "2", *SGD),
+}
+
+
+def _every_key(dp=1, ep=1, tp=1, zero=0):
+    """Every layout key, so that a resumed run overrides all of the saved run's."""
+    return (
+        *("--parallel.dp", str(dp), "--parallel.ep", str(ep), "--parallel.tp", str(tp)),
+        *("--parallel.zero_stage", str(zero)),
+    )
+
+
+# checkpoints cut after step 4 under one layout and resumed under another (saved, resumed): the
+# experts' ZeRO-3 shards over dp read back as ep slices, and ep slices as ZeRO-3 shards
+RESUMES = {
+    "dp2xep2-z3-to-ep2xtp2": (_every_key(dp=2, ep=2, zero=3), _every_key(ep=2, tp=2)),
+    "ep2-to-dp2-z3": (_every_key(ep=2), _every_key(dp=2, zero=3)),
 }
 
 
@@ -47,10 +66,24 @@ def runs(tmp_path_factory):
     args = {
         name: (*TINY, *MOE, *layout, "--train.run_dir", str(base / name)) for name, layout in LAYOUTS.items()
     }
+    for name, (saved, _) in RESUMES.items():
+        args[f"cut-{name}"] = (
+            *TINY,
+            *MOE,
+            *saved,
+            "--train.stop_at",
+            "4",
+            "--train.run_dir",
+            str(base / f"cut-{name}"),
+        )
     done = plait_train_all(args, timeout=300)
+    resumes = {
+        f"cut-{name}": ("--resume", str(base / f"cut-{name}"), *again) for name, (_, again) in RESUMES.items()
+    }
+    done.update({f"resumed-{name}": r for name, r in plait_train_all(resumes, timeout=300).items()})
     for name, r in done.items():
         assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
-    return {name: base / name for name in LAYOUTS}
+    return {name: base / name for name in args}
 
 
 @pytest.mark.parametrize(
@@ -66,13 +99,24 @@ def runs(tmp_path_factory):
         ("pp2xdp2-zbh1", "one"),
         ("ep2-sgd", "one-sgd"),
         ("ep2-dropless", "one-dropless"),
+        ("dp2xep2-z3", "one"),
+        ("dp2xep2-z2-sgd", "one-sgd"),
     ],
 )
 def test_every_layout_follows_one_process(runs, name, reference):
     assert_runs_match(runs[name], runs[reference], what=f"{name} vs {reference}")
 
 
-LAYOUT_FREE = ["dp2", "ep2", "dp2xep2", "zero3", "ep2xtp2", "tp2-sp", "pp2", "pp2xdp2-zbh1"]
+@pytest.mark.parametrize("saved", RESUMES)
+def test_checkpoint_resumes_across_expert_layouts(runs, saved):
+    """Steps 1-4 under the saving layout and 5-8 resumed under another follow one process: the
+    experts are saved whole (chunks of each expert tensor), whatever split them."""
+    cut = runs[f"cut-{saved}"]
+    assert max(metrics(cut)) == 8, "the resumed run continues in the cut run's directory"
+    assert_runs_match(cut, runs["one"], what=f"{saved} resumed on {RESUMES[saved][1]}")
+
+
+LAYOUT_FREE = ["dp2", "ep2", "dp2xep2", "zero3", "ep2xtp2", "tp2-sp", "pp2", "pp2xdp2-zbh1", "dp2xep2-z3"]
 
 
 @pytest.mark.parametrize("name", LAYOUT_FREE)
@@ -171,9 +215,16 @@ def test_aux_loss_weight_follows_the_objective_scale():
         ([("model.experts", "4"), ("model.capacity_factor", "-1")], "capacity_factor must be >= 0"),
         ([("model.experts", "4"), ("parallel.ep", "2"), ("parallel.pp", "2")], "pipeline's data parallelism"),
         (
-            [("model.experts", "4"), ("parallel.ep", "2"), ("parallel.zero_stage", "1")],
-            "ZeRO with experts works",
+            [
+                ("model.experts", "4"),
+                ("parallel.ep", "2"),
+                ("parallel.dp", "2"),
+                ("parallel.zero_stage", "1"),
+                ("parallel.hybrid_shard", "1"),
+            ],
+            "parallel.hybrid_shard = 0",
         ),
+        ([("model.experts", "4"), ("parallel.ep", "2"), ("optim.name", "lamb")], "whole expert tensor"),
         (
             [("model.experts", "4"), ("parallel.ep", "2"), ("train.global_batch", "6")],
             "parallel.ep = 2 ranks",

@@ -370,7 +370,7 @@ class PipelineEngine:
 
         if self.zero is not None:
             return self.zero.checkpoint_state()
-        return plain_state(self.raw, self.optimizer, self.names)
+        return plain_state(self.raw, self.optimizer, self.names, mesh=self.mesh)
 
     def checkpoint_loaded(self) -> None:
         if self.zero is not None:
@@ -381,7 +381,7 @@ class PipelineEngine:
             return self.zero.full_parameters()
         from plait.placement import gather_full
 
-        return {self.names[id(q)]: gather_full(q, self.mesh, "tp") for q in self.raw.parameters()}
+        return {self.names[id(q)]: gather_full(q, self.mesh) for q in self.raw.parameters()}
 
     def close(self) -> None:
         if self.zero is not None:

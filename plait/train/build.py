@@ -92,7 +92,7 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
 
     # stage 0: the bucket all-reduce; stages 1-3: the bucket (unit) reduce-scatter
     extra = {"comm_hook": comm_hook}
-    if p.ep > 1:  # the batch is split over dp x ep
+    if p.ep > 1:  # the batch is split over dp x ep; ZeRO shards experts over dp, the rest dp x ep
         extra["data_axes"] = ("dp", "ep")
     if p.zero_stage > 0:
         extra.update(

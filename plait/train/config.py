@@ -614,10 +614,16 @@ def _validate_moe(cfg: Config) -> None:
             "MoE blocks in a pipeline work at parallel.ep = 1",
         )
         _require(
-            p.zero_stage == 0,
-            f"parallel.ep = {p.ep} with parallel.zero_stage = {p.zero_stage} is not available yet: ZeRO "
-            "would shard expert parameters over their own replica group (dp) and dense ones over dp x ep, "
-            "and its shard axis is one; use zero_stage = 0 (ZeRO with experts works at parallel.ep = 1)",
+            not p.hybrid_shard,
+            f"parallel.ep = {p.ep} with parallel.hybrid_shard = {p.hybrid_shard} is not available: ZeRO "
+            "shards experts over their replica group (dp) and dense parameters over dp x ep; set "
+            "parallel.hybrid_shard = 0",
+        )
+        _require(
+            cfg.optim.name not in ("lamb", "lars"),
+            f"optim.name = {cfg.optim.name!r} with parallel.ep = {p.ep} is not available: its per-layer "
+            "trust ratio needs the norm of each whole expert tensor, which is split over ep; use "
+            "optim.name = 'adamw' or 'sgd'",
         )
         _require(
             cfg.comm.compression == "none",

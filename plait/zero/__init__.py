@@ -108,19 +108,14 @@ class Stage0(AccumulatingEngine):
         pass
 
     def checkpoint_state(self) -> tuple[dict, dict]:
-        return plain_state(self.raw, self.optimizer)
+        return plain_state(self.raw, self.optimizer, mesh=self.mesh)
 
     def checkpoint_loaded(self) -> None:
         pass  # loaded in place into the parameters and optimizer state
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole (tensor- and expert-parallel shards gathered by their placements)."""
-        out = {}
-        for n, p in self.raw.named_parameters():
-            pl = placement(p)
-            axis = next((a for a in ("tp", "ep") if pl.shard(a) is not None), "tp")
-            out[n] = gather_full(p, self.mesh, axis)
-        return out
+        return {n: gather_full(p, self.mesh) for n, p in self.raw.named_parameters()}
 
     def close(self) -> None:
         self.module.remove_hooks()
@@ -169,13 +164,21 @@ def wrap(
             reduce-scatter (stages 1-3, through its `reduce_scatter`; stage 3 not with tp).
             1-bit Adam's `MomentumHook` goes here too (stages 0-2), with its `OneBitAdam` from
             `optimizer` (plait.optim.onebit_adam).
-        data_axes: the axes the batch is split over; ("dp", "ep") under expert parallelism
-            (stage 0 only): dense gradients are averaged over dp x ep, experts' over dp.
+        data_axes: the axes the batch is split over; ("dp", "ep") under expert parallelism:
+            dense gradients are averaged over dp x ep, experts' over dp (their replicas), and
+            from stage 1 each is sharded over those axes (a ZeRO-3 block holding both becomes
+            one unit per axis).
 
     Returns an engine with `module` (call it), `optimizer` (the torch optimizer, for LR
     schedulers), `step()`, `zero_grad()`, `clip_grad_norm_(max)`, `grad_norm()`, `no_sync()`,
     `memory()` (model-state bytes per rank) and `close()`.
     """
+    data_axes = (data_axes[0], *(a for a in data_axes[1:] if mesh.size(a) > 1))  # ep = 1: dp alone
+    if comm_hook is not None and len(data_axes) > 1:
+        raise ConfigError(
+            f"gradient compression with data_axes = {data_axes} (expert parallelism) is not available "
+            "yet; use comm_hook=None"
+        )
     if stage not in STAGES:
         raise ConfigError(f"zero_stage = {stage!r} is not valid; valid: {', '.join(map(str, STAGES))}")
     if not callable(optimizer):
@@ -204,12 +207,12 @@ def wrap(
             comm_hook=comm_hook,
             axes=data_axes,
         )
-    if tuple(a for a in data_axes if mesh.size(a) > 1) not in ((), ("dp",)):
-        raise ConfigError(
-            f"ZeRO stage {stage} shards over dp alone; data_axes = {data_axes} (expert parallelism) "
-            "runs at stage 0"
-        )
     shard_axis, replicate_axis = "dp", None
+    if hybrid_shard and len(data_axes) > 1:
+        raise ConfigError(
+            f"hybrid_shard with data_axes = {data_axes} (expert parallelism) is not available: experts "
+            "are sharded over their replica group dp, dense parameters over dp x ep"
+        )
     if hybrid_shard:
         try:
             size = mesh.size("dp_shard")
@@ -229,6 +232,7 @@ def wrap(
         offload=offload,
         offload_path=offload_path,
         delayed_update=delayed_update,
+        data_axes=data_axes,
     )
     if stage in (1, 2):
         engine = ZeroOptimizer(

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from plait.engine import AccumulatingEngine, ScalesResiduals
 from plait.errors import ConfigError
+from plait.placement import reduce_axis
 from plait.zero.sharded import ShardedOptimizer
 from plait.zero.state import ShardedState
 
@@ -49,22 +52,47 @@ class ShardedEngine(AccumulatingEngine):
         compute_dtype: torch.dtype,
         offload: str,
         delayed_update: bool,
+        data_axes: tuple[str, ...] = ("dp",),
     ) -> None:
         """Where the shards live: the shard axis (N ranks, this rank's index), the data-parallel
-        degree (shard x replicate) that gradients are averaged over, the host of the masters, and
-        whether the fp32 masters are a copy (mixed precision, offload to another device, or the
-        delayed update, which steps them while the model computes) or the parameters themselves."""
+        degree (shard x replicate, or the data axes dp x ep) that gradients are averaged over,
+        the host of the masters, and whether the fp32 masters are a copy (mixed precision,
+        offload to another device, or the delayed update, which steps them while the model
+        computes) or the parameters themselves."""
         self.module = module
         self.mesh = mesh
         self.shard_axis = shard_axis
         self.replicate_axis = replicate_axis
+        self.data_axes = tuple(data_axes)
+        if len(self.data_axes) > 1 and (replicate_axis or shard_axis != self.data_axes[0]):
+            raise ConfigError(
+                f"data axes {self.data_axes} (expert parallelism) with hybrid sharding are not available: "
+                "each parameter is sharded over the data axes it is not split on"
+            )
         self.n = mesh.size(shard_axis)
         self.rank = mesh.rank(shard_axis)
-        self.dp = self.n * (mesh.size(replicate_axis) if replicate_axis else 1)
+        if len(self.data_axes) > 1:
+            self.dp = math.prod(mesh.size(a) for a in self.data_axes)
+        else:
+            self.dp = self.n * (mesh.size(replicate_axis) if replicate_axis else 1)
         self.scale = 1.0 / self.dp
         self.compute_dtype = compute_dtype
         self.host = torch.device("cpu") if offload != "none" else mesh.device
         self.master_is_separate = compute_dtype != torch.float32 or self.host != mesh.device or delayed_update
+
+    def axis_of(self, p: torch.Tensor) -> str:
+        """The axis `p` is sharded over: the shard axis, or under expert parallelism (several
+        data axes) the data axes `p` is not split on, as one axis (`plait.placement.reduce_axis`):
+        dense parameters over dp x ep, experts over dp, their replica group."""
+        if len(self.data_axes) == 1:
+            return self.shard_axis
+        return reduce_axis(p, self.mesh, self.data_axes)
+
+    @staticmethod
+    def replicas_of(axis: str) -> str:
+        """The axis a tensor sharded over `axis` is replicated over before sharding (what rank 0
+        broadcasts over at the start): hybrid sharding's whole dp for dp_shard, else the axis."""
+        return "dp" if axis == "dp_shard" else axis
 
     def step(self) -> None:
         """One optimizer step on this rank's shards; the new parameters are then published."""

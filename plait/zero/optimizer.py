@@ -43,8 +43,9 @@ class _Bucket(GradBucket):
     """A gradient bucket that also holds its parameters: `flat`, the padded flat buffer the
     module's parameters are views of (and, resharded between steps, `shard`: what is gathered)."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], n: int, dtype):
-        super().__init__(index, params, names, n, dtype=dtype)
+    def __init__(self, index: int, params: list, names: list[str], mesh: Mesh, axis: str, dtype):
+        super().__init__(index, params, names, mesh.size(axis), dtype=dtype, axis=axis)
+        self.rank = mesh.rank(axis)  # this rank's shard of the bucket
         self.flat = self.layout.flatten([p.detach() for p in params], dtype=dtype, device=self.device)
         self.shard: torch.Tensor | None = None
 
@@ -85,6 +86,7 @@ class ZeroOptimizer(ShardedEngine):
         trigger: str = "hook",
         names: dict[int, str] | None = None,
         reshard_after_step: bool = False,
+        data_axes: tuple[str, ...] = ("dp",),
     ):
         if trigger not in ("hook", "manual"):
             raise ConfigError(f"trigger {trigger!r} is not valid; valid: hook, manual")
@@ -96,7 +98,9 @@ class ZeroOptimizer(ShardedEngine):
             raise ConfigError(
                 "reshard_after_step (ZeRO-3 within pipeline stages) runs on stage 2 without delayed_update"
             )
-        self._init_layout(module, mesh, shard_axis, replicate_axis, compute_dtype, offload, delayed_update)
+        self._init_layout(
+            module, mesh, shard_axis, replicate_axis, compute_dtype, offload, delayed_update, data_axes
+        )
         self.stage = stage
         self.reshard = reshard_after_step
         self.allow_unused = allow_unused
@@ -108,7 +112,7 @@ class ZeroOptimizer(ShardedEngine):
         self._broadcast()
         groups = []
         for b in self.buckets:
-            lo, hi = b.layout.shard_range(self.rank)
+            lo, hi = b.layout.shard_range(b.rank)
             master = b.flat[lo:hi]
             if self.master_is_separate or self.reshard:  # (resharded: the flat is freed)
                 master = master.to(device=self.host, dtype=torch.float32, copy=True)
@@ -117,8 +121,9 @@ class ZeroOptimizer(ShardedEngine):
                 b.shard = master if same else b.flat[lo:hi].to(compute_dtype, copy=True)
             # stage 1 keeps the reduced shard inside its full gradient buffer: no extra copy
             grad = b.buffer[lo:hi] if stage == 1 else None
+            dev = mesh.device
             groups.append(
-                ShardGroup(b.layout, self.rank, master, compute_dtype, grad=grad, device=mesh.device)
+                ShardGroup(b.layout, b.rank, master, compute_dtype, grad=grad, device=dev, axis=b.axis)
             )
         for b in self.buckets:  # the module's parameters become views of the flat buckets
             for p, v in zip(b.params, b.layout.views(b.flat), strict=True):
@@ -163,19 +168,24 @@ class ZeroOptimizer(ShardedEngine):
         chunks = bucket_chunks(
             list(reversed(params)),  # reverse registration order ~ the order gradients are ready
             capacity,
-            key=lambda p: bucket_key(p, self.mesh, lossy),  # partial gradients apart
+            # partial gradients apart, and each bucket over one shard axis (experts' and dense
+            # parameters' differ under expert parallelism)
+            key=lambda p: (bucket_key(p, self.mesh, lossy), self.axis_of(p)),
             nbytes=lambda p: p.numel() * torch.finfo(dtype).bits // 8,
         )
-        return [_Bucket(i, ps, [names[id(p)] for p in ps], self.n, dtype) for i, ps in enumerate(chunks)]
+        return [
+            _Bucket(i, ps, [names[id(p)] for p in ps], self.mesh, self.axis_of(ps[0]), dtype)
+            for i, ps in enumerate(chunks)
+        ]
 
     @torch.no_grad()
     def _broadcast(self) -> None:
-        """Every replica starts from data-parallel rank 0's parameters and buffers."""
-        axis = "dp"
+        """Every replica starts from data-parallel rank 0's parameters and buffers (each over the
+        axis its replicas lie on: its shard axis; buffers are replicated over every data axis)."""
         for b in self.buckets:
-            comm.broadcast(b.flat, self.mesh, axis, src=0)
+            comm.broadcast(b.flat, self.mesh, self.replicas_of(b.axis), src=0)
         for buf in self.module.buffers():
-            comm.broadcast(buf, self.mesh, axis, src=0)
+            comm.broadcast(buf, self.mesh, self.replicas_of(self.axis_of(buf)), src=0)
 
     # --- backward -------------------------------------------------------------------------
 
@@ -218,10 +228,10 @@ class ZeroOptimizer(ShardedEngine):
             self.release_params()
             return
         for b, g in zip(self.buckets, self.shards.groups, strict=True):
-            lo, hi = b.layout.shard_range(self.rank)
+            lo, hi = b.layout.shard_range(b.rank)
             if self.master_is_separate:
                 b.flat[lo:hi].copy_(g.master)
-            comm.all_gather(b.flat, b.flat[lo:hi].clone(), self.mesh, self.shard_axis)
+            comm.all_gather(b.flat, b.flat[lo:hi].clone(), self.mesh, b.axis)
 
     @torch.no_grad()
     def gather_params(self) -> bool:
@@ -232,7 +242,7 @@ class ZeroOptimizer(ShardedEngine):
         handles = []
         for b in self.buckets:
             alloc_storage(b.flat)
-            handles.append(comm.all_gather(b.flat, b.shard, self.mesh, self.shard_axis, async_op=True))
+            handles.append(comm.all_gather(b.flat, b.shard, self.mesh, b.axis, async_op=True))
         for h in handles:
             h.wait()
         self._gathered = True

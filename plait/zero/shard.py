@@ -59,23 +59,30 @@ def _in_backward() -> bool:
 class _Unit:
     """One wrapping unit: its flat parameter, shard and hooks."""
 
-    def __init__(self, engine: ZeroStage3, index: int, name: str, module: nn.Module, owned: list[tuple]):
+    def __init__(
+        self, engine: ZeroStage3, index: int, name: str, module: nn.Module, owned: list[tuple], axis: str
+    ):
         self.engine = engine
         self.name = name or "<root>"
         self.module = module
+        self.axis = axis  # the axis the unit is sharded over (experts': their replica group)
         # owned: (param, fqn, [(owner module, attribute), ...]) for each distinct parameter
         self.params = [p for p, _, _ in owned]
         self.slots = [slots for _, _, slots in owned]
         names = [fqn for _, fqn, _ in owned]
         dev = engine.mesh.device
         # the unit's gradient, reduced by the engine's GradSync (partial runs by placements)
-        self.bucket = GradBucket(index, self.params, names, engine.n, dtype=engine.compute_dtype, device=dev)
+        n, rank = engine.mesh.size(axis), engine.mesh.rank(axis)
+        self.bucket = GradBucket(
+            index, self.params, names, n, dtype=engine.compute_dtype, device=dev, axis=axis
+        )
         self.layout = self.bucket.layout
         full = self.layout.flatten(self.params, dtype=torch.float32, device=dev)
-        comm.broadcast(full, engine.mesh, "dp", src=0)  # every replica starts from rank 0's values
-        lo, hi = self.layout.shard_range(engine.rank)
+        # every replica starts from rank 0's values
+        comm.broadcast(full, engine.mesh, engine.replicas_of(axis), src=0)
+        lo, hi = self.layout.shard_range(rank)
         master = full[lo:hi].to(device=engine.host, copy=True)
-        self.group = ShardGroup(self.layout, engine.rank, master, engine.compute_dtype, device=dev)
+        self.group = ShardGroup(self.layout, rank, master, engine.compute_dtype, device=dev, axis=axis)
         # the compute-dtype shard that is gathered (the master itself in fp32 on the device)
         self.shard = master if not engine.master_is_separate else full[lo:hi].to(engine.compute_dtype)
         del full
@@ -99,9 +106,7 @@ class _Unit:
         if self.gathered or self.handle is not None:
             return
         alloc_storage(self.flat)
-        self.handle = comm.all_gather(
-            self.flat.data, self.shard, self.engine.mesh, self.engine.shard_axis, True
-        )
+        self.handle = comm.all_gather(self.flat.data, self.shard, self.engine.mesh, self.axis, True)
 
     def gather(self) -> None:
         self.start_gather()
@@ -197,8 +202,11 @@ class ZeroStage3(ShardedEngine):
         offload_path=None,
         delayed_update: bool = False,
         comm_hook=None,
+        data_axes: tuple[str, ...] = ("dp",),
     ):
-        self._init_layout(module, mesh, shard_axis, replicate_axis, compute_dtype, offload, delayed_update)
+        self._init_layout(
+            module, mesh, shard_axis, replicate_axis, compute_dtype, offload, delayed_update, data_axes
+        )
         self._check_hook(comm_hook, compute_dtype)
         if comm_hook is not None and mesh.size("tp") > 1:
             raise ConfigError(
@@ -217,7 +225,7 @@ class ZeroStage3(ShardedEngine):
         self.comm_hook = comm_hook
         self.reshard = reshard_after_forward
         for buf in module.buffers():
-            comm.broadcast(buf, mesh, "dp", src=0)
+            comm.broadcast(buf, mesh, self.replicas_of(self.axis_of(buf)), src=0)
         policy = wrap_policy or default_wrap_policy(module)
         self.units = self._build_units(policy)
         self._order: list[_Unit] = []
@@ -282,13 +290,18 @@ class ZeroStage3(ShardedEngine):
         modules = dict(roots)
         for uname in [""] + [n for n, _ in roots]:
             owned = [(p, fqns[id(p)], slots[id(p)]) for p in order if unit_of[id(p)] == uname]
-            if not owned:
-                continue
             module = self.module if uname == "" else modules[uname]
-            u = _Unit(self, len(units), uname, module, owned)
-            module.register_forward_pre_hook(u.pre_forward)
-            module.register_forward_hook(u.post_forward)
-            units.append(u)
+            # one unit per shard axis: under expert parallelism a block's experts are sharded
+            # over their replica group (dp) and its dense parameters over dp x ep; both are
+            # gathered around the block's forward and backward by hooks of their own
+            axes = list(dict.fromkeys(self.axis_of(p) for p, _, _ in owned))
+            for axis in axes:
+                mine = [o for o in owned if self.axis_of(o[0]) == axis]
+                name = uname if len(axes) == 1 else f"{uname or '<root>'}[{axis}]"
+                u = _Unit(self, len(units), name, module, mine, axis)
+                module.register_forward_pre_hook(u.pre_forward)
+                module.register_forward_hook(u.post_forward)
+                units.append(u)
         if not units:
             raise ConfigError("the module has no trainable parameters to shard")
         return units

@@ -33,7 +33,8 @@ OFFLOADS = ("none", "cpu", "disk")
 
 
 class ShardGroup:
-    """One flat group's state on this rank: its layout, master shard and gradient shard."""
+    """One flat group's state on this rank: its layout, master shard and gradient shard, and the
+    axis it is sharded over (under expert parallelism dense groups and experts' differ)."""
 
     def __init__(
         self,
@@ -43,9 +44,11 @@ class ShardGroup:
         grad_dtype: torch.dtype,
         grad: torch.Tensor | None = None,
         device: torch.device | None = None,
+        axis: str | None = None,
     ):
         self.layout = layout
-        self.rank = rank
+        self.rank = rank  # this rank's index along `axis`
+        self.axis = axis  # the axis the group is sharded over (None: the optimizer's shard axis)
         self.master = master  # fp32, [shard_numel]; may be a view of the flat parameters themselves
         # the reduced gradient shard; ZeRO-1 passes a view of its full gradient buffer
         if grad is None:  # on the compute device: the reduce-scatter writes it there
@@ -157,8 +160,10 @@ class ShardedOptimizer:
 
         if (local := self._local_grads()) is not None:  # this rank's own: nothing to sum
             return global_grad_norm(self.mesh, [(local, ())])
-        pairs = []
+        by_axis: dict[str, tuple[list, list]] = {}  # shard axis -> (pairs, every placement)
         for g, placements in zip(self.groups, self.placements, strict=True):
+            pairs, every = by_axis.setdefault(self.axis_of(g), ([], []))
+            every.extend(placements)
             skip = self.norm_skip.intersection(g.layout.names)
             if not skip and not any(pl.sharded for pl in placements):  # the whole shard at once
                 pairs.append((REPLICATED, g.grad))
@@ -167,21 +172,25 @@ class ShardedOptimizer:
                 if seg.length and seg.name not in skip:
                     part = g.grad[seg.shard_offset : seg.shard_offset + seg.length]
                     pairs.append((placements[seg.index], part))
-        every = [pl for ps in self.placements for pl in ps]
-        axes = (self.shard_axis, *self.norm_axes)
-        return global_grad_norm(self.mesh, norm_parts(pairs, self.mesh, axes, every))
+        parts = []
+        for axis in sorted(by_axis):  # the same groups, so the same order, on every rank
+            pairs, every = by_axis[axis]
+            parts += norm_parts(pairs, self.mesh, (axis, *self.norm_axes), every)
+        return global_grad_norm(self.mesh, parts)
 
-    def model_axis_over(self, axis: str) -> str | None:
-        """The combined axis of the shard axis and model axis `axis` (a tensor split both ways
-        lives on it), or None when `axis` has size 1."""
-        if self.mesh.size(axis) == 1:
-            return None
-        if self.shard_axis == "dp_shard":
+    def axis_of(self, g: ShardGroup) -> str:
+        """The axis group `g` is sharded over."""
+        return g.axis or self.shard_axis
+
+    def combined_axis(self, shard_axis: str, axis: str) -> str:
+        """The combined axis of a shard axis and model axis `axis` (a tensor split both ways
+        lives on it)."""
+        if shard_axis == "dp_shard":
             name = f"dp_shard*{axis}"
         else:
-            name = self.mesh.axis_over((self.shard_axis, axis))
+            name = self.mesh.axis_over((shard_axis, axis))
         if name is None or not self.mesh.has_axis(name):
-            raise ConfigError(f"the mesh has no combined axis over {self.shard_axis} and {axis}")
+            raise ConfigError(f"the mesh has no combined axis over {shard_axis} and {axis}")
         return name
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -283,14 +292,14 @@ class ShardedOptimizer:
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, from the fp32 master shards (an all-gather per group, then
-        over tp for tensor-parallel shards; every rank of those axes must call it). Keyed by the
-        names given to the layouts."""
+        over the model axis of each tensor-parallel or expert shard; every rank of those axes
+        must call it). Keyed by the names given to the layouts."""
         out = {}
         for g, placements in zip(self.groups, self.placements, strict=True):
             full = torch.empty(g.layout.padded, dtype=torch.float32, device=self.compute_device)
-            comm.all_gather(full, g.master.to(self.compute_device), self.mesh, self.shard_axis)
+            comm.all_gather(full, g.master.to(self.compute_device), self.mesh, self.axis_of(g))
             for name, v, pl in zip(g.layout.names, g.layout.views(full), placements, strict=True):
-                out[name] = gather_full(v, self.mesh, "tp", pl) if pl.shard("tp") else v.cpu()
+                out[name] = gather_full(v, self.mesh, pl=pl)
         return out
 
     # --- accounting -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from plait.errors import CheckpointError
-from plait.placement import canonical_chunks, chunk_map, global_boxes, placement
+from plait.placement import canonical_chunks, chunk_map, global_boxes, placement, split_axis
 from plait.zero.sharded import ShardedOptimizer
 
 
@@ -140,28 +140,29 @@ class ShardedState:
 
     def state(self) -> tuple[dict, dict]:
         """(model, optim) dicts of ShardedTensor chunks and scalar tensors. A parameter that is
-        also split over tp (its placement) is saved as boxes of the whole canonical tensor, over
-        the group of its shard axis and tp; a replicated one over the shard axis alone (tp
-        peers then write the same boxes, which DCP keeps once)."""
+        also split over a model axis (tp, or ep for experts: its placement) is saved as boxes of
+        the whole canonical tensor, over the group of its shard axis and that axis; a replicated
+        one over the shard axis alone (tp peers then write the same boxes, which DCP keeps
+        once)."""
         s = self.shards
         mesh = s.mesh
-        tp_axis = s.model_axis_over("tp")
         model, optim = {}, {}
         states = iter(self._opt_states())
         for g, placements in zip(s.groups, s.placements, strict=True):
             for seg, p in zip(g.segments, g.seg_params, strict=True):
                 pl = placements[seg.index]
                 local = saved_shape(g.layout.shapes[seg.index])
-                split = tp_axis is not None and pl.shard("tp") is not None
-                if split:
-                    whole, _ = chunk_map(pl, g.layout.shapes[seg.index], mesh, "tp")
-                    shape, group = saved_shape(whole), mesh.group(tp_axis)
+                split = split_axis(pl, mesh)
+                if split is not None:
+                    _check_saved_split(pl, split, g.layout.shapes[seg.index], seg.name)
+                    whole, _ = chunk_map(pl, g.layout.shapes[seg.index], mesh, split)
+                    shape, group = saved_shape(whole), mesh.group(s.combined_axis(s.axis_of(g), split))
                 else:
-                    shape, group = local, mesh.group(s.shard_axis)
+                    shape, group = local, mesh.group(s.axis_of(g))
 
                 def boxes(flat, seg=seg, pl=pl, local=local, split=split):
                     out = range_boxes(flat, seg.start, local)
-                    return global_boxes(pl, local, out, mesh, "tp") if split else out
+                    return global_boxes(pl, local, out, mesh, split) if split else out
 
                 model[seg.name] = _sharded(boxes(p), shape, group)
                 for key, v in next(states).items():
@@ -184,28 +185,44 @@ class ShardedState:
         s.on_updated()
 
 
+def _check_saved_split(pl, axis: str, shape, name: str) -> None:
+    """A tensor of more than 2 dims is saved as 2-D (`saved_shape`): a split of its first dim
+    (experts over ep) stays one box there; a split of another dim would not."""
+    if len(shape) > 2 and pl.shard(axis).dim != 0:
+        raise CheckpointError(
+            f"{name}: a {len(shape)}-D tensor split over {axis} along dim {pl.shard(axis).dim} is not "
+            "saved yet (only splits of dim 0 of tensors above 2-D are)"
+        )
+
+
 def plain_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str] | None = None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    names: dict[int, str] | None = None,
+    mesh=None,
 ) -> tuple[dict, dict]:
     """The same layout for an unsharded model and optimizer (replicated plain tensors).
 
-    A tensor-parallel model (`plait.tensor_parallel.apply_tp`) saves each sharded parameter,
-    and its optimizer states, as chunks of the whole canonical tensor in its natural shape, so
-    DCP can load it into another tp degree or one process. `names` (parameter id -> name) gives
-    the whole model's names when `model` is a part of it (a pipeline rank's stages)."""
+    A parameter split over a model axis of `mesh` (its placement: tensor parallelism over tp,
+    experts over ep) is saved, with its optimizer states, as chunks of the whole canonical
+    tensor (in its saved shape), so DCP can load it into another tp or ep degree or one
+    process. `names` (parameter id -> name) gives the whole model's names when `model` is a
+    part of it (a pipeline rank's stages)."""
     _init_state(optimizer)
     own = {id(p): n for n, p in model.named_parameters()}
     names = {i: (names or {}).get(i, n) for i, n in own.items()}
-    tp = getattr(model, "_plait_tp", None)
+    if mesh is None and (tp := getattr(model, "_plait_tp", None)) is not None:
+        mesh = tp[0]
 
     def entry(p, t):
-        if tp is not None and placement(p).shard(tp[1]) is not None:
-            mesh, axis, _ = tp
-            shape, chunks = canonical_chunks(t.detach(), mesh, axis, pl=placement(p))
-            if len(shape) > 2:
-                raise CheckpointError(f"tensor-parallel shards of {len(shape)}-D tensors are not saved yet")
-            return _sharded(chunks, shape, mesh.group(axis))
-        return t.detach().view(saved_shape(t.shape))
+        pl = placement(p)
+        local = t.detach().view(saved_shape(t.shape))
+        axis = split_axis(pl, mesh) if mesh is not None else None
+        if axis is None:
+            return local
+        _check_saved_split(pl, axis, t.shape, names[id(p)])
+        shape, chunks = canonical_chunks(local, mesh, axis, pl=pl)
+        return _sharded(chunks, shape, mesh.group(axis))
 
     model_sd = {names[id(p)]: entry(p, p) for p in model.parameters()}
     optim_sd = {}
