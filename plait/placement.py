@@ -212,6 +212,10 @@ def reduce_axis(p: torch.Tensor, mesh, data_axes: tuple[str, ...]) -> str:
     return axis
 
 
+# one placement of each kind a parameter has: replicated, or split over one model axis
+_KINDS = (REPLICATED, *(Placement(sharded=((a, Shard(0)),)) for a in MODEL_AXES))
+
+
 def norm_parts(pairs, mesh, data_axes: tuple[str, ...] = (), every=()) -> list[tuple[list, tuple]]:
     """[(gradients, axes)] for `plait.engine.global_grad_norm`: each (placement, gradient) pair
     is summed over `data_axes` (where the engine splits gradients, e.g. ZeRO's shard axis) and
@@ -224,7 +228,9 @@ def norm_parts(pairs, mesh, data_axes: tuple[str, ...] = (), every=()) -> list[t
     def axes_of(pl):
         return (*data_axes, *(a for a in pl.sharded_axes if mesh.size(a) > 1))
 
-    groups: dict[tuple, list] = {axes_of(pl): [] for pl in every}
+    # every kind of placement has its part on every rank, also where this rank holds none of
+    # that kind (a pipeline stage without experts): the collectives then match
+    groups: dict[tuple, list] = {axes_of(pl): [] for pl in (*_KINDS, *every)}
     for pl, g in pairs:
         groups.setdefault(axes_of(pl), []).append(g)
     return [(groups[k], k) for k in sorted(groups)]

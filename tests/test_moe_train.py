@@ -4,9 +4,11 @@ one process, the routing statistics are layout-free, and bad settings are refuse
 Every run routes each sequence as one group, so the capacity, the dropped tokens and the
 auxiliary losses do not depend on how the batch is split: one process with 2 accumulation
 micro-batches, dp2, ep2 and dp2 x ep2 see the same groups and must give the same losses,
-gradient norms and statistics (within 1e-5). One pair runs SGD without clipping, where a wrong
-gradient scale on the experts (reduced over dp x ep instead of dp, or not averaged) moves the
-parameters off the reference at once.
+gradient norms and statistics (within 1e-5); so must ZeRO 2-3 under ep (experts sharded over dp,
+the rest over dp x ep) and pipelines with ep. Three layouts run SGD without clipping, where a
+wrong gradient scale on the experts (reduced over dp x ep instead of dp, or not averaged) moves
+the parameters off the reference at once. Checkpoints cut under one expert layout resume under
+another.
 """
 
 from __future__ import annotations
@@ -32,7 +34,20 @@ LAYOUTS = {
     "ep2xtp2": ("--parallel.dp", "1", "--parallel.ep", "2", "--parallel.tp", "2"),
     "tp2-sp": ("--parallel.dp", "1", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"),
     "pp2": ("--parallel.dp", "1", "--parallel.pp", "2"),
-    "pp2xdp2-zbh1": ("--parallel.dp", "2", "--parallel.pp", "2", "--parallel.schedule", "zb-h1"),
+    "pp2xep2-zbh1": (
+        "--parallel.dp",
+        "1",
+        "--parallel.ep",
+        "2",
+        "--parallel.pp",
+        "2",
+        "--parallel.schedule",
+        "zb-h1",
+    ),
+    "pp2xep2-z3-sgd": (
+        *("--parallel.dp", "1", "--parallel.ep", "2", "--parallel.pp", "2", "--parallel.zero_stage", "3"),
+        *SGD,
+    ),
     "one-dropless": ("--parallel.dp", "1", "--model.capacity_factor", "0", "--model.top_k", "1"),
     "ep2-dropless": (
         *("--parallel.dp", "1", "--parallel.ep", "2"),
@@ -96,7 +111,8 @@ def runs(tmp_path_factory):
         ("ep2xtp2", "one"),
         ("tp2-sp", "one"),
         ("pp2", "one"),
-        ("pp2xdp2-zbh1", "one"),
+        ("pp2xep2-zbh1", "one"),
+        ("pp2xep2-z3-sgd", "one-sgd"),
         ("ep2-sgd", "one-sgd"),
         ("ep2-dropless", "one-dropless"),
         ("dp2xep2-z3", "one"),
@@ -116,7 +132,7 @@ def test_checkpoint_resumes_across_expert_layouts(runs, saved):
     assert_runs_match(cut, runs["one"], what=f"{saved} resumed on {RESUMES[saved][1]}")
 
 
-LAYOUT_FREE = ["dp2", "ep2", "dp2xep2", "zero3", "ep2xtp2", "tp2-sp", "pp2", "pp2xdp2-zbh1", "dp2xep2-z3"]
+LAYOUT_FREE = ["dp2", "ep2", "dp2xep2", "zero3", "ep2xtp2", "tp2-sp", "pp2", "pp2xep2-zbh1", "dp2xep2-z3"]
 
 
 @pytest.mark.parametrize("name", LAYOUT_FREE)
@@ -213,7 +229,6 @@ def test_aux_loss_weight_follows_the_objective_scale():
         ([("model.experts", "4"), ("model.top_k", "3")], "valid: 1 (Switch), 2 (GShard)"),
         ([("model.experts", "1"), ("model.top_k", "2")], "more than model.experts = 1"),
         ([("model.experts", "4"), ("model.capacity_factor", "-1")], "capacity_factor must be >= 0"),
-        ([("model.experts", "4"), ("parallel.ep", "2"), ("parallel.pp", "2")], "pipeline's data parallelism"),
         (
             [
                 ("model.experts", "4"),
@@ -225,6 +240,11 @@ def test_aux_loss_weight_follows_the_objective_scale():
             "parallel.hybrid_shard = 0",
         ),
         ([("model.experts", "4"), ("parallel.ep", "2"), ("optim.name", "lamb")], "whole expert tensor"),
+        (
+            [("model.experts", "4"), ("parallel.ep", "2"), ("parallel.dp", "2"), ("parallel.pp", "2")]
+            + [("train.global_batch", "8")],
+            "gives 2 rows per dp x ep rank, not divisible into parallel.microbatches = 4",
+        ),
         (
             [("model.experts", "4"), ("parallel.ep", "2"), ("train.global_batch", "6")],
             "parallel.ep = 2 ranks",

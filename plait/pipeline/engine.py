@@ -12,6 +12,8 @@ gradients those of single-process training:
   steps, and the stages' parameters are gathered once at the start of the next one;
 - tied embedding and head on different pipeline ranks: the two copies' gradients are summed
   over pp (ranks between them contribute zeros) so both copies stay equal;
+- expert parallelism (pp x ep): the batch is split over dp x ep, and each gradient averaged over
+  the data axes it is not split on (experts over dp, the rest over dp x ep), as outside pipelines;
 - tensor parallelism (pp x tp): the stages hold the tensor-parallel layers apply_tp made; the
   sequence-parallel gradients are summed over tp as plain data parallelism does;
 - the gradient norm sums squares over pp and tp, counting a tied or replicated tensor once.
@@ -84,6 +86,9 @@ class PipelineEngine:
             once per micro-batch, so a step moves 2Ψ as ZeRO-2, and peak memory within the step
             is ZeRO-2's).
         zero_options: more ZeroOptimizer arguments (bucket_mb, shard_axis, replicate_axis).
+        data_axes: the axes the batch is split over: ("dp",), or ("dp", "ep") under expert
+            parallelism (dense gradients averaged over dp x ep, experts' over dp; see
+            `plait.zero.wrap`).
     """
 
     def __init__(
@@ -103,6 +108,7 @@ class PipelineEngine:
         zero_options: dict | None = None,
         bucket_mb: float = 25.0,
         comm_hook=None,
+        data_axes: tuple[str, ...] = ("dp",),
     ):
         self.mesh = mesh
         # the whole model's parameter names (a tied tensor under its first name): checkpoints
@@ -141,6 +147,7 @@ class PipelineEngine:
                 names=self.names,
                 bucket_mb=bucket_mb,
                 comm_hook=comm_hook,
+                data_axes=data_axes,
                 **(zero_options or {}),
             )
             self.zero.shards.norm_axes = ("pp",)
@@ -154,11 +161,17 @@ class PipelineEngine:
         # sums gradients partial over tp (sequence parallelism), by their placements
         self.ddp = None
         partial = any(mesh.size(a) > 1 for q in self.raw.parameters() for a in placement(q).grad_partial)
-        if zero_stage == 0 and (mesh.size("dp") > 1 or partial):
+        if zero_stage == 0 and (any(mesh.size(a) > 1 for a in data_axes) or partial):
             from plait.data_parallel import DataParallel
 
             self.ddp = DataParallel(
-                self.raw, mesh, bucket_mb=bucket_mb, allow_unused=True, comm_hook=comm_hook, trigger="manual"
+                self.raw,
+                mesh,
+                bucket_mb=bucket_mb,
+                allow_unused=True,
+                comm_hook=comm_hook,
+                trigger="manual",
+                axes=data_axes,
             )
 
         # Parameters shared by stages on different pipeline ranks (a GPT's tied embedding and

@@ -68,6 +68,7 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
             norm_reducer=reducer,
         )
 
+    data_axes = ("dp", "ep") if p.ep > 1 else ("dp",)  # the batch is split over dp x ep
     if p.pp > 1:
         from plait.pipeline.engine import PipelineEngine
 
@@ -84,6 +85,7 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
             zero_stage=p.zero_stage,
             bucket_mb=p.bucket_mb,
             comm_hook=comm_hook,
+            data_axes=data_axes,
             zero_options=dict(
                 shard_axis=shard_axis,
                 replicate_axis="dp_replicate" if p.hybrid_shard else None,
@@ -91,9 +93,8 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
         )
 
     # stage 0: the bucket all-reduce; stages 1-3: the bucket (unit) reduce-scatter
-    extra = {"comm_hook": comm_hook}
-    if p.ep > 1:  # the batch is split over dp x ep; ZeRO shards experts over dp, the rest dp x ep
-        extra["data_axes"] = ("dp", "ep")
+    # under ep, ZeRO shards the experts over dp and the rest over dp x ep
+    extra = {"comm_hook": comm_hook, "data_axes": data_axes}
     if p.zero_stage > 0:
         extra.update(
             mixed_precision="bf16" if t.bf16 else None,

@@ -487,11 +487,13 @@ def _validate_pipeline(cfg: Config, n_layer: int) -> None:
         f"train.micro_batches = {t.micro_batches} with parallel.pp = {p.pp}: the pipeline splits each "
         "step's batch itself; set train.micro_batches = 1 and parallel.microbatches instead",
     )
-    rows = t.global_batch // p.dp
+    ranks = p.dp * p.ep  # the batch is split over dp x ep
+    rows = t.global_batch // ranks
+    where = "dp rank" if p.ep == 1 else "dp x ep rank"
     _require(
         rows % m == 0,
-        f"train.global_batch = {t.global_batch} gives {rows} rows per dp rank, not divisible into "
-        f"parallel.microbatches = {m} pipeline micro-batches; use a global_batch multiple of {p.dp * m}",
+        f"train.global_batch = {t.global_batch} gives {rows} rows per {where}, not divisible into "
+        f"parallel.microbatches = {m} pipeline micro-batches; use a global_batch multiple of {ranks * m}",
     )
     _require(
         cfg.offload.optimizer == "none",
@@ -607,12 +609,6 @@ def _validate_moe(cfg: Config) -> None:
         f"model.aux_loss_coef and model.z_loss_coef must be >= 0, got {m.aux_loss_coef}, {m.z_loss_coef}",
     )
     if p.ep > 1:
-        _require(
-            p.pp == 1,
-            f"parallel.ep = {p.ep} with parallel.pp = {p.pp} is not available yet: the pipeline's data "
-            "parallelism averages over dp alone, and dense gradients must be averaged over dp x ep; "
-            "MoE blocks in a pipeline work at parallel.ep = 1",
-        )
         _require(
             not p.hybrid_shard,
             f"parallel.ep = {p.ep} with parallel.hybrid_shard = {p.hybrid_shard} is not available: ZeRO "

@@ -88,6 +88,13 @@ class ShardedEngine(AccumulatingEngine):
             return self.shard_axis
         return reduce_axis(p, self.mesh, self.data_axes)
 
+    def group_axes(self) -> tuple[str, ...]:
+        """Every axis `axis_of` can give (whatever parameters this rank holds)."""
+        if len(self.data_axes) == 1:
+            return (self.shard_axis,)
+        dense = reduce_axis(torch.empty(0), self.mesh, self.data_axes)  # split over no data axis
+        return tuple(dict.fromkeys((dense, self.data_axes[0])))
+
     @staticmethod
     def replicas_of(axis: str) -> str:
         """The axis a tensor sharded over `axis` is replicated over before sharding (what rank 0

@@ -140,6 +140,7 @@ class ZeroOptimizer(ShardedEngine):
             offload=offload,
             offload_path=offload_path,
             delayed_update=delayed_update,
+            axes=self.group_axes(),
         )
         self.optimizer = self.shards.optimizer
         self._gathered = True

@@ -242,6 +242,7 @@ class ZeroStage3(ShardedEngine):
             offload=offload,
             offload_path=offload_path,
             delayed_update=delayed_update,
+            axes=self.group_axes(),
         )
         self.optimizer = self.shards.optimizer
         self.sync = GradSync(

@@ -68,7 +68,8 @@ class ShardedOptimizer:
         factory: `factory(param_groups) -> torch.optim.Optimizer`.
         param_groups: torch-style groups of original parameters with per-group options; None
             for one group of everything.
-        mesh, shard_axis: the axis the shards are split over (for the gradient norm).
+        mesh, shard_axis: the axis the shards are split over (for the gradient norm), unless a
+            group names its own (`ShardGroup.axis`); `axes` then lists every such axis.
         on_updated: called after every step with this object, to publish the new parameters.
         offload, offload_path, delayed_update: see the module docstring.
     """
@@ -86,6 +87,7 @@ class ShardedOptimizer:
         offload_path: str | Path | None = None,
         delayed_update: bool = False,
         compute_device: torch.device | None = None,
+        axes: tuple[str, ...] | None = None,
     ):
         if offload not in OFFLOADS:
             raise ConfigError(f"offload {offload!r} is not valid; valid: {', '.join(OFFLOADS)}")
@@ -94,6 +96,12 @@ class ShardedOptimizer:
         self.groups = groups
         self.mesh = mesh
         self.shard_axis = shard_axis
+        # every axis a group may be sharded over, on any rank (a pipeline stage without experts
+        # has no group over the experts' axis, but takes part in the norm's collectives)
+        self.axes = tuple(axes or (shard_axis,))
+        unknown = {self.axis_of(g) for g in groups} - set(self.axes)
+        if unknown:
+            raise ConfigError(f"flat groups sharded over {sorted(unknown)}, not among the axes {self.axes}")
         # each parameter's placement on the model axes (tensor parallelism): read by the norm,
         # full_parameters and checkpoints
         self.placements = [[placement(p) for p in ps] for ps in params]
@@ -173,8 +181,8 @@ class ShardedOptimizer:
                     part = g.grad[seg.shard_offset : seg.shard_offset + seg.length]
                     pairs.append((placements[seg.index], part))
         parts = []
-        for axis in sorted(by_axis):  # the same groups, so the same order, on every rank
-            pairs, every = by_axis[axis]
+        for axis in self.axes:  # the same parts, in the same order, on every rank
+            pairs, every = by_axis.get(axis, ([], []))
             parts += norm_parts(pairs, self.mesh, (axis, *self.norm_axes), every)
         return global_grad_norm(self.mesh, parts)
 
