@@ -362,12 +362,59 @@ def _compressed_hybrid():
     return float((ddp - hybrid).abs().max())
 
 
+def _compressed_moe():
+    """An MoE GPT under dp2 x ep2 with each compressor at stages 0, 2 and 3: the whole model
+    (experts gathered over ep) is identical on every rank, a lossless top-k equals no
+    compression, and each compressor trains the same parameters at every stage."""
+    from plait import zero
+    from plait.models import GPT, GPTConfig
+    from plait.moe.parallel import apply_ep
+
+    mesh = Mesh(dp=2, ep=2, timeout_s=60)
+    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=16, experts=4, top_k=2)
+    out = {}
+    for stage in (0, 2, 3):
+        for name in ("none", "onebit", "topk-all", "powersgd"):
+            torch.manual_seed(0)
+            model = apply_ep(GPT(cfg), mesh)
+            hook = make_compressor(name.split("-")[0], topk_ratio=1.0, powersgd_rank=2)
+            engine = zero.wrap(
+                model,
+                mesh,
+                stage,
+                lambda g: torch.optim.SGD(g, lr=0.5),
+                bucket_mb=0.004,
+                comm_hook=hook,
+                data_axes=("dp", "ep"),
+            )
+            gen = torch.Generator().manual_seed(100 + dist.get_rank())  # each rank its own rows
+            for step in range(3):
+                if hasattr(hook, "set_lr_scale"):
+                    hook.set_lr_scale(1.0 - 0.2 * step)
+                x = torch.randint(0, 64, (4, 16), generator=gen)
+                engine.module(x, x.roll(1, 1)).backward()
+                engine.step()
+                engine.zero_grad()
+            full = engine.full_parameters()
+            engine.close()
+            flat = torch.cat([full[k].reshape(-1) for k in sorted(full)])
+            everyone = torch.empty(mesh.world_size * flat.numel())
+            comm.all_gather(everyone, flat, mesh, "world")
+            rows = everyone.view(mesh.world_size, -1)
+            assert all(torch.equal(rows[0], r) for r in rows), f"stage {stage} {name}: replicas differ"
+            out[(stage, name)] = flat
+    mesh.close()
+    return {k: float((v - out[(0, "none")]).abs().max()) for k, v in out.items()} | {
+        f"{s}-{n}-vs-0": float((out[(s, n)] - out[(0, n)]).abs().max()) for s, n in out
+    }
+
+
 def _two_ranks():
     return {"ddp": _compressed_ddp(), "zero": _compressed_zero()}
 
 
 def _four_ranks():
-    return {"ddp": _compressed_ddp(), "hybrid": _compressed_hybrid()}
+    return {"ddp": _compressed_ddp(), "hybrid": _compressed_hybrid(), "moe": _compressed_moe()}
 
 
 # One spawn per world size runs every check of that size in turn (a spawn costs seconds); each
@@ -385,6 +432,18 @@ def ranks_4():
 def test_compressor_under_hybrid_sharding_equals_data_parallel(ranks_4):
     # the shard group decodes its 2 messages, the replicas sum the shards: the same 4 messages
     assert max(r["hybrid"] for r in ranks_4) < 1e-6
+
+
+def test_compressors_under_expert_parallelism_keep_replicas_identical(ranks_4):
+    """dp2 x ep2 (replicas asserted equal on every rank inside the run): lossless top-k equals
+    no compression at stages 0, 2, 3, and 1-bit SGD the same parameters at every stage; lossy
+    compression does move the parameters."""
+    got = ranks_4[0]["moe"]
+    for stage in (0, 2, 3):
+        assert got[(stage, "none")] < 1e-6 and got[(stage, "topk-all")] < 1e-6, stage
+        assert got[f"{stage}-onebit-vs-0"] < 1e-6, stage
+        assert got[(stage, "onebit")] > 1e-4, stage  # the compressor took part
+    assert got["2-powersgd-vs-0"] < 1e-6
 
 
 def test_onebit_sgd_converges_with_error_feedback_and_stalls_without():

@@ -241,6 +241,11 @@ def test_aux_loss_weight_follows_the_objective_scale():
         ),
         ([("model.experts", "4"), ("parallel.ep", "2"), ("optim.name", "lamb")], "whole expert tensor"),
         (
+            [("model.experts", "4"), ("parallel.ep", "2"), ("comm.compression", "onebit")]
+            + [("comm.target", "momentum")],
+            "comm.target = 'gradient' (compressed gradients work with ep)",
+        ),
+        (
             [("model.experts", "4"), ("parallel.ep", "2"), ("parallel.dp", "2"), ("parallel.pp", "2")]
             + [("train.global_batch", "8")],
             "gives 2 rows per dp x ep rank, not divisible into parallel.microbatches = 4",

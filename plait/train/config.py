@@ -622,9 +622,10 @@ def _validate_moe(cfg: Config) -> None:
             "optim.name = 'adamw' or 'sgd'",
         )
         _require(
-            cfg.comm.compression == "none",
-            f"parallel.ep = {p.ep} with comm.compression = {cfg.comm.compression!r} is not available yet; "
-            "set comm.compression = 'none'",
+            cfg.comm.compression == "none" or cfg.comm.target == "gradient",
+            f"parallel.ep = {p.ep} with comm.target = 'momentum' (1-bit Adam) is not available: its "
+            "momentum is exchanged over dp alone, and dense layers need dp x ep; set "
+            "comm.target = 'gradient' (compressed gradients work with ep)",
         )
 
 

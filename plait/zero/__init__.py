@@ -162,8 +162,8 @@ def wrap(
         comm_hook: a compressor of `plait.comm.compress` (fp32 gradients from stage 1): it
             replaces DataParallel's bucket all-reduce (stage 0) or the bucket / unit
             reduce-scatter (stages 1-3, through its `reduce_scatter`; stage 3 not with tp).
-            1-bit Adam's `MomentumHook` goes here too (stages 0-2), with its `OneBitAdam` from
-            `optimizer` (plait.optim.onebit_adam).
+            1-bit Adam's `MomentumHook` goes here too (stages 0-2, not under expert
+            parallelism), with its `OneBitAdam` from `optimizer` (plait.optim.onebit_adam).
         data_axes: the axes the batch is split over; ("dp", "ep") under expert parallelism:
             dense gradients are averaged over dp x ep, experts' over dp (their replicas), and
             from stage 1 each is sharded over those axes (a ZeRO-3 block holding both becomes
@@ -174,10 +174,12 @@ def wrap(
     `memory()` (model-state bytes per rank) and `close()`.
     """
     data_axes = (data_axes[0], *(a for a in data_axes[1:] if mesh.size(a) > 1))  # ep = 1: dp alone
-    if comm_hook is not None and len(data_axes) > 1:
+    from plait.optim.onebit_adam import MomentumHook
+
+    if isinstance(comm_hook, MomentumHook) and len(data_axes) > 1:
         raise ConfigError(
-            f"gradient compression with data_axes = {data_axes} (expert parallelism) is not available "
-            "yet; use comm_hook=None"
+            f"1-bit Adam (MomentumHook) with data_axes = {data_axes} (expert parallelism) is not "
+            "available: its momentum is exchanged over dp alone; compress the gradients instead"
         )
     if stage not in STAGES:
         raise ConfigError(f"zero_stage = {stage!r} is not valid; valid: {', '.join(map(str, STAGES))}")
