@@ -1,14 +1,29 @@
-"""A bank of feed-forward experts computed with one batched matmul.
+"""A bank of feed-forward experts stored stacked: one batched matmul on an accelerator, one matmul
+per expert on the CPU.
 
 Every expert is GPT-2's position-wise MLP, d_model -> d_ff -> d_model with biases and the tanh
 GELU (as `plait.models.gpt.FeedForward`). The bank stores its E_local experts stacked,
 
     w1 [E_local, d_model, d_ff]   b1 [E_local, d_ff]   w2 [E_local, d_ff, d_model]   b2 [E_local, d_model]
 
-and computes all of them at once on an [E_local, N, d_model] buffer (N tokens per expert) with two
-`torch.baddbmm` calls: one kernel per matmul whatever the number of experts, instead of a Python
-loop of E small matmuls (GShard's einsum "EGCM,EMH->EGCH" over the expert dim, Lepikhin et al.
-2020, §2.2). Padding rows of the buffer (empty capacity slots) are computed too and ignored.
+and computes them on an [E_local, N, d_model] buffer (N tokens per expert). Padding rows of the
+buffer (empty capacity slots) are computed too and ignored.
+
+* Off the CPU: two `torch.baddbmm` calls, one kernel per matmul whatever the number of experts,
+  instead of a Python loop of E small matmuls (GShard's einsum "EGCM,EMH->EGCH" over the expert
+  dim, Lepikhin et al. 2020, §2.2); kernel launches are what costs there, and the caching
+  allocator reuses the [E_local, N, d_ff] intermediates.
+* On the CPU: the same two calls on one expert at a time (batches of 1, slices of the same
+  stacked parameters). A call costs next to nothing there, but a batched intermediate
+  [E_local, N, d_ff] is E_local times one expert's, and glibc's heap returns such blocks to the
+  OS and maps them again, page-faulting every page on first touch, far more often than blocks
+  one expert's size, which the next expert's forward and backward reuse. In the MoE layer at
+  ep = 2 (E_local = 2, N = 1280, d_ff = 512, 2 ranks on 2 cores) the batched form took
+  ~2,500-3,500 minor faults a step and this one ~350-700, a few ms of a ~70 ms step; with glibc
+  told never to trim (no faults) both take the same time. The arithmetic is the batched form's,
+  entry by entry: at sizes like those the outputs and gradients are bitwise equal. On tiny
+  problems the two can differ in the last bit, as MKL's batched GEMM and the GELU's vectorised
+  loop take other paths for small or ragged sizes (`tests/test_moe.py` checks both).
 
 **Expert parallelism.** With a mesh the bank holds experts [r·E/ep, (r+1)·E/ep) of the E, where r
 is this rank's coordinate along `axis` (default "ep"), and every parameter's placement says it is
@@ -105,12 +120,28 @@ class Experts(nn.Module):
             raise ConfigError(
                 f"Experts: input of shape {tuple(x.shape)}, expected [{self.local}, tokens, {self.d_model}]"
             )
-        h = torch.bmm(x, self.w1) if self.b1 is None else torch.baddbmm(self.b1.unsqueeze(1), x, self.w1)
-        h = F.gelu(h, approximate="tanh")
-        return torch.bmm(h, self.w2) if self.b2 is None else torch.baddbmm(self.b2.unsqueeze(1), h, self.w2)
+        args = (x, self.w1, self.b1, self.w2, self.b2)
+        return _per_expert(*args) if x.device.type == "cpu" else _batched(*args)
 
     def extra_repr(self) -> str:
         return (
             f"experts={self.local} of {self.experts} (first {self.first}), "
             f"d_model={self.d_model}, d_ff={self.d_ff}"
         )
+
+
+def _batched(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None) -> Tensor:
+    """The bank on [E_local, N, d_model] as two batched matmuls (what the bank runs off the CPU)."""
+    h = torch.bmm(x, w1) if b1 is None else torch.baddbmm(b1.unsqueeze(1), x, w1)
+    h = F.gelu(h, approximate="tanh")
+    return torch.bmm(h, w2) if b2 is None else torch.baddbmm(b2.unsqueeze(1), h, w2)
+
+
+def _per_expert(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None) -> Tensor:
+    """`_batched` one expert at a time (what the bank runs on the CPU): the same calls on batches
+    of one, so the intermediates are one expert's size."""
+    out = []
+    for i in range(x.shape[0]):
+        e = slice(i, i + 1)
+        out.append(_batched(x[e], w1[e], None if b1 is None else b1[e], w2[e], None if b2 is None else b2[e]))
+    return torch.cat(out)
