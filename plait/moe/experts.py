@@ -139,9 +139,15 @@ def _batched(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | 
 
 def _per_expert(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None) -> Tensor:
     """`_batched` one expert at a time (what the bank runs on the CPU): the same calls on batches
-    of one, so the intermediates are one expert's size."""
-    out = []
-    for i in range(x.shape[0]):
-        e = slice(i, i + 1)
-        out.append(_batched(x[e], w1[e], None if b1 is None else b1[e], w2[e], None if b2 is None else b2[e]))
-    return torch.cat(out)
+    of one, so the intermediates are one expert's size. The slices come from `split`, whose
+    backward concatenates the experts' gradients into one tensor (indexing would give each expert
+    a zero-filled gradient of the whole bank, summed afterwards)."""
+    none = [None] * x.shape[0]
+    parts = zip(
+        x.split(1),
+        w1.split(1),
+        none if b1 is None else b1.split(1),
+        w2.split(1),
+        none if b2 is None else b2.split(1),
+    )
+    return torch.cat([_batched(*part) for part in parts])
