@@ -13,17 +13,20 @@ buffer (empty capacity slots) are computed too and ignored.
   instead of a Python loop of E small matmuls (GShard's einsum "EGCM,EMH->EGCH" over the expert
   dim, Lepikhin et al. 2020, §2.2); kernel launches are what costs there, and the caching
   allocator reuses the [E_local, N, d_ff] intermediates.
-* On the CPU: the same two calls on one expert at a time (batches of 1, slices of the same
-  stacked parameters). A call costs next to nothing there, but a batched intermediate
-  [E_local, N, d_ff] is E_local times one expert's, and glibc's heap returns such blocks to the
-  OS and maps them again, page-faulting every page on first touch, far more often than blocks
-  one expert's size, which the next expert's forward and backward reuse. In the MoE layer at
-  ep = 2 (E_local = 2, N = 1280, d_ff = 512, 2 ranks on 2 cores) the batched form took
-  ~2,500-3,500 minor faults a step and this one ~350-700, a few ms of a ~70 ms step; with glibc
-  told never to trim (no faults) both take the same time. The arithmetic is the batched form's,
-  entry by entry: at sizes like those the outputs and gradients are bitwise equal. On tiny
-  problems the two can differ in the last bit, as MKL's batched GEMM and the GELU's vectorised
-  loop take other paths for small or ragged sizes (`tests/test_moe.py` checks both).
+* On the CPU: the same two calls on one expert at a time (batches of one, slices of the same
+  stacked parameters). A call costs next to nothing there, and the intermediates are one
+  expert's [N, d_ff], blocks the next expert's forward and backward reuse from glibc's heap. The
+  batched [E_local, N, d_ff] blocks are E_local times larger, and while glibc's trim threshold
+  (it grows with the largest block the process has freed) is below a step's peak, the heap
+  hands them back to the OS after a step and page-faults them in again. In the ep = 2 layer of
+  `benchmarks/moe.py` (E_local = 2, N = 1280, d_ff = 512), timed outside that script, the
+  batched form took ~1,300-3,300 minor faults a step and this one ~150-1,100, and the step was
+  6-13% shorter; where nothing faults (glibc made never to trim, or a process that already
+  freed larger blocks, as that script after its capacity-4 parity pass) both take the same
+  time. The arithmetic is the batched form's, entry by entry: at sizes like those outputs and
+  gradients are bitwise equal. On tiny problems the two can differ in the last bit, as MKL's
+  batched GEMM and the GELU's vectorised loop take other paths for small or ragged sizes
+  (`tests/test_moe.py` checks both).
 
 **Expert parallelism.** With a mesh the bank holds experts [r·E/ep, (r+1)·E/ep) of the E, where r
 is this rank's coordinate along `axis` (default "ep"), and every parameter's placement says it is
