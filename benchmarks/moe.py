@@ -50,7 +50,8 @@ as one group; plait's `MoE(group_size=None)` does the same), capacity factor 1.2
 capacity dropped), top-1 and top-2. Setups, built from the same weights:
 
 * ``plait``: `plait.moe.MoE(..., mesh=Mesh(ep=2))`: router, the dispatch buffer, two all-to-alls
-  through `plait.comm` and the expert bank as two `torch.baddbmm` over the local experts.
+  through `plait.comm` and the expert bank (stacked parameters; on the CPU its two
+  `torch.baddbmm` run one local expert at a time, see `plait.moe.experts`).
 * ``deepspeed``: `deepspeed.moe.layer.MoE(hidden_size, expert, num_experts=4, ep_size=2, k,
   capacity_factor=1.25, min_capacity=0, use_rts=False, top2_2nd_expert_sampling=False)`, the
   expert an ``nn.Sequential(Linear, GELU(tanh), Linear)``, after ``set_deepspeed_parallelism()``
@@ -791,7 +792,7 @@ def balance_rows(results: dict) -> list[list[str]]:
 
 LAYER_HEADERS = ["top-k", "setup", "median ms", "plait/setup", "paired ratio", "experts alone ms", "rest ms"]
 LAYER_LABELS = {
-    "plait": "plait MoE (baddbmm bank)",
+    "plait": "plait MoE (stacked bank)",
     "deepspeed": "DeepSpeed-MoE deepspeed.moe.layer.MoE",
     "torch": "plain torch (F.linear loop per expert)",
 }
@@ -996,8 +997,8 @@ def markdown(res: dict, info: dict, args, runtime_s: float, images: dict[str, st
         "  formula alone, as plait), `use_rts` (random token selection, top-1) and",
         "  `top2_2nd_expert_sampling` (Gumbel noise on the second choice) off, so both route",
         "  deterministically and identically (the parity rows check it). Its experts are an",
-        "  `nn.ModuleList` run as a Python loop over the local experts (2 here); plait's are one",
-        "  `baddbmm` per layer over all of them.",
+        "  `nn.ModuleList` run as a Python loop over the local experts (2 here); plait's are stacked",
+        "  parameters whose `baddbmm` calls run, on the CPU, one local expert at a time.",
         "- The timed inputs are random normal vectors and the routers freshly initialised, so the load",
         "  is near uniform and the capacity rarely binds (see the checks); the buffers, and so the",
         "  work, have the same shapes whether tokens are dropped or not.",

@@ -93,15 +93,20 @@ def _split(x: Tensor, mesh: Mesh, axis: str, dim: int, what: str) -> Tensor:
 
 
 def _all_to_all(x: Tensor, mesh: Mesh, axis: str, split_dim: int, concat_dim: int) -> Tensor:
-    """Send slice j of `x` along `split_dim` to rank j; concatenate what arrives along `concat_dim`."""
+    """Send slice j of `x` along `split_dim` to rank j; concatenate what arrives along `concat_dim`.
+
+    The send buffer is `x` as [n, slice...]: `split_dim` cut into (n, size/n) and the n moved to
+    the front, which is a view of a contiguous `x` when `split_dim` is 0. What arrives is
+    [n, slice...] too (block i from rank i); moving its n next to `concat_dim` and merging the two
+    is the concatenation, again a view when `concat_dim` is 0. So an exchange copies at most once
+    on each side, and not at all on a side whose dim is 0 (the expert dispatch receives into, and
+    the combine sends from, [E_local, n·G·C, d], and so copies once each way, not twice)."""
     n = mesh.size(axis)
     _check_divisible(x, split_dim, n, "all_to_all_along", axis)
-    front = x.movedim(split_dim, 0).contiguous()
-    out = torch.empty_like(front)
-    ops.all_to_all(out, front, mesh, axis)
-    # out holds, along dim 0, n blocks: block i is rank i's slice for us.
-    blocks = out.movedim(0, split_dim).chunk(n, dim=split_dim)
-    return torch.cat(blocks, dim=concat_dim)
+    send = x.unflatten(split_dim, (n, x.shape[split_dim] // n)).movedim(split_dim, 0).contiguous()
+    out = torch.empty_like(send)
+    ops.all_to_all(out, send, mesh, axis)
+    return out.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
 
 
 def _dim(x: Tensor, dim: int) -> int:

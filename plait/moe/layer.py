@@ -169,8 +169,16 @@ class MoE(nn.Module):
         group = torch.arange(g, device=x.device).view(g, 1, 1)
         row = torch.where(routing.kept, (slot // c) * (g * c) + group * c + slot % c, e * g * c)
         row = row.reshape(-1)
-        src = xg.unsqueeze(2).expand(g, s, self.top_k, d).reshape(-1, d)
-        buffer = x.new_zeros(e * g * c + 1, d).index_copy(0, row, src)[:-1].view(e, g * c, d)
+        # The buffer is gathered, not scattered: each row names the token it holds (`tokens`, a
+        # zero row past the input's end, for an empty slot), and one index_select fills it. So
+        # no zeroed buffer is written and then overwritten, and no k-fold copy of the input is
+        # made; backward adds each row's gradient to its token (index_add), which for a token's
+        # k <= 2 claims is the same sum as before, whatever the order.
+        token = torch.arange(tokens, device=x.device).view(g, s, 1).expand(g, s, self.top_k)
+        source = torch.full((e * g * c + 1,), tokens, dtype=torch.long, device=x.device)
+        source.scatter_(0, row, token.reshape(-1))  # kept rows are distinct; the spare is cut off
+        padded = torch.cat([x.reshape(tokens, d), x.new_zeros(1, d)])
+        buffer = padded.index_select(0, source[:-1]).view(e, g * c, d)
 
         if self.ep > 1:  # [E, G·C, d] -> this rank's experts' slots from every rank [E/ep, ep·G·C, d]
             buffer = all_to_all_along(buffer, self.mesh, self.axis, split_dim=0, concat_dim=1)
