@@ -95,6 +95,9 @@ def launch(cfg: Config, resume: bool = False) -> int:
         raise ConfigError(
             f"{world} ranks need {world} GPUs on this machine, found {torch.cuda.device_count()}"
         )
+    from plait.train.preflight import check_before_start
+
+    check_before_start(cfg, use_cuda=use_cuda, ranks=world)  # run directory writable, memory
     threads = _threads_per_rank(world)
     peak = None
     if not use_cuda:

@@ -152,6 +152,7 @@ def activation_bytes(
     recompute: bool = False,
     tp: int = 1,
     sequence_parallel: bool = False,
+    stored_scores: bool = True,
 ) -> int:
     """Activation bytes kept for backward by the transformer layers of one micro-batch.
 
@@ -169,7 +170,8 @@ def activation_bytes(
     LayerNorm and the logits (which the paper treats separately and which matter for small
     models with large vocabularies) are left out. The 5as/h term assumes the attention scores
     are stored; fused attention (``F.scaled_dot_product_attention``, which plait's GPT uses) does
-    not store them, so for plait the figure is an upper bound. ``seq`` defaults to ``cfg.seq_len``.
+    not store them, so for plait the figure is an upper bound; ``stored_scores=False`` leaves the
+    term out (what fused attention keeps). ``seq`` defaults to ``cfg.seq_len``.
     """
     if precision not in PRECISIONS:
         raise ConfigError(f"precision {precision!r} is not known; valid: {_valid(PRECISIONS)}")
@@ -185,12 +187,13 @@ def activation_bytes(
         divisors = [d for d in range(1, a + 1) if a % d == 0]
         raise ConfigError(f"tp={t} does not divide n_head={a}; valid tp: {_valid(divisors)}")
     sbh = s * b * h
+    scores = 5 * a * s / h if stored_scores else 0.0  # scores, softmax and its dropout mask
     if recompute:
         per_layer = 2 * sbh / (t if sequence_parallel else 1)
     elif sequence_parallel:
-        per_layer = sbh * (34 + 5 * a * s / h) / t
+        per_layer = sbh * (34 + scores) / t
     else:
-        per_layer = sbh * (10 + 24 / t + 5 * a * s / (h * t))
+        per_layer = sbh * (10 + 24 / t + scores / t)
     scale = 2 if precision == "fp32" else 1
     return round(scale * L * per_layer)
 
