@@ -365,6 +365,8 @@ MAX_SAMPLE_TOKENS = 2**16
 """train.sample_tokens: one forward pass each."""
 MAX_TIMEOUT_S = 10**6
 """comm.timeout_s (11.6 days): torch's process-group timeout derives from it."""
+MAX_PIPELINE_ACTIONS = 2**15
+"""parallel.pp x microbatches x virtual_stages."""
 _INT64_MAX = 2**63 - 1
 _BOUNDS = {
     **dict.fromkeys(
@@ -540,6 +542,12 @@ def _validate_pipeline(cfg: Config, n_layer: int) -> None:
     if p.pp == 1:
         return
     m, v = pipeline_shape(cfg)
+    _require(
+        p.pp * m * v <= MAX_PIPELINE_ACTIONS,
+        f"parallel.pp x microbatches x virtual_stages = {p.pp} x {m} x {v} = {p.pp * m * v:,} is out of "
+        f"range: at most {MAX_PIPELINE_ACTIONS:,} (the schedule is built and checked action by action, "
+        "before start and on every rank); lower parallel.microbatches",
+    )
     try:
         make_schedule(p.schedule, p.pp, m, v)
     except ConfigError as exc:
