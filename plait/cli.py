@@ -26,6 +26,9 @@ Train a GPT on the configured mesh. CONFIG defaults to plait's built-in defaults
 be overridden on the command line, e.g. `plait train configs/default.toml --train.steps 50`.
 --resume RUN_DIR continues the run in RUN_DIR from its latest checkpoint, with its config.
 `plait export RUN_DIR` writes a run's model as one safetensors file (plait export --help).
+Sizes are bounded (steps at most 1e9, dimensions, degrees and batches at most 2**20), and a job
+that does not fit in memory is refused before start (PLAIT_MEMORY_CHECK=0 skips that check):
+docs/fault-tolerance.md.
 Keys:
 """
 

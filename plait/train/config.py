@@ -6,9 +6,9 @@
     plait train configs/default.toml --train.steps 50 --parallel.dp 2
 
 Loading is strict. An unknown section or key is an error naming the nearest valid one; a value
-of the wrong type, a negative size or an inconsistent combination (the world size not divisible
-into the batch, heads not divisible by tp, ...) is rejected here, in the launching process,
-before any rank starts.
+of the wrong type, a negative or out-of-range size (`_BOUNDS`, docs/fault-tolerance.md) or an
+inconsistent combination (the world size not divisible into the batch, heads not divisible by
+tp, ...) is rejected here, in the launching process, before any rank starts.
 """
 
 from __future__ import annotations
