@@ -48,6 +48,7 @@ def check_run_dir(path: str, key: str = "train.run_dir") -> None:
     """`path` is a directory this process can write into, or can be created: nothing is left
     behind (a probe file or directory is removed), so the launcher still creates it itself."""
     p = Path(path)
+    probe_in = p  # where the probe is made: the directory, or its nearest existing parent
     try:
         if p.exists():
             if not p.is_dir():
@@ -55,16 +56,16 @@ def check_run_dir(path: str, key: str = "train.run_dir") -> None:
             with tempfile.NamedTemporaryFile(dir=p, prefix=".plait-probe-"):
                 pass
             return
-        parent = p.absolute().parent
-        while not parent.exists():
-            parent = parent.parent
-        if not parent.is_dir():
+        probe_in = p.absolute().parent
+        while not probe_in.exists():
+            probe_in = probe_in.parent
+        if not probe_in.is_dir():
             raise ConfigError(
-                f"{key} = {path!r} cannot be created: {str(parent)!r} is a file; choose another {key}"
+                f"{key} = {path!r} cannot be created: {str(probe_in)!r} is a file; choose another {key}"
             )
-        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".plait-probe-"))
+        os.rmdir(tempfile.mkdtemp(dir=probe_in, prefix=".plait-probe-"))
     except OSError as exc:
-        where = f" in {str(parent)!r}" if not p.exists() else ""
+        where = "" if probe_in == p else f" in {str(probe_in)!r}"
         raise ConfigError(
             f"{key} = {path!r} is not writable ({exc.strerror or exc}{where}); choose another {key}"
         ) from None
