@@ -12,10 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import sys
 from pathlib import Path
 
 from plait.errors import ConfigError, PlaitError
+from plait.zero.estimate import MAX_RANKS
 
 USAGE = """plait train [CONFIG.toml] [--section.key value ...] [--resume RUN_DIR]
 
@@ -23,6 +26,9 @@ Train a GPT on the configured mesh. CONFIG defaults to plait's built-in defaults
 be overridden on the command line, e.g. `plait train configs/default.toml --train.steps 50`.
 --resume RUN_DIR continues the run in RUN_DIR from its latest checkpoint, with its config.
 `plait export RUN_DIR` writes a run's model as one safetensors file (plait export --help).
+Sizes are bounded (steps at most 1e9, dimensions, degrees and batches at most 2**20), and a job
+that does not fit in memory is refused before start (PLAIT_MEMORY_CHECK=0 skips that check):
+docs/fault-tolerance.md.
 Keys:
 """
 
@@ -101,10 +107,53 @@ RESHARDABLE = (
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises ConfigError instead of printing usage, so errors stay one line."""
+    """argparse that raises ConfigError instead of printing usage, so errors stay one line, and
+    takes a negative number after an option as its value ("--params -7e9"), so that the option's
+    own check refuses it with its valid range."""
 
     def error(self, message: str):
         raise ConfigError(message)
+
+    def parse_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        # argparse reads "-7e9" or "-350M" as an option (only "-5" and "-.5" look numeric to it);
+        # an option name never starts with a digit or a dot, so "--opt -7e9" is "--opt=-7e9".
+        out = []
+        for a in args:
+            if out and re.match(r"-[0-9.]", a) and out[-1].startswith("--") and "=" not in out[-1]:
+                out[-1] = f"{out[-1]}={a}"
+            else:
+                out.append(a)
+        return super().parse_args(out, namespace)
+
+
+def _int_in(lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi], or an error naming the range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer from {lo} to {hi:,}, got {text!r}")
+        return value
+
+    return parse
+
+
+MAX_PARAMS = 10**15
+"""`plait estimate --params`: a thousand times the largest models trained."""
+MAX_STAGES = 256
+"""`plait schedule --stages`: a row each in the drawings."""
+MAX_SCHEDULE_ACTIONS = 2**13
+"""`plait schedule`: stages x micro-batches x virtual stages, each built, checked, simulated and
+drawn in Python (a few seconds at this bound)."""
+MAX_PNG_ACTIONS, MAX_PNG_STAGES = 2**11, 64
+"""`plait schedule --out`: a bar each, drawn by matplotlib (about ten seconds at this bound); a
+larger drawing is unreadable anyway."""
+MAX_WIDTH = 10_000
+"""`plait schedule --width`: columns of the text timeline."""
 
 
 def _count(text: str) -> int | float:
@@ -113,11 +162,13 @@ def _count(text: str) -> int | float:
     try:
         value = float(text[:-1] if scale != 1.0 else text) * scale
     except ValueError:
+        value = math.nan
+    if not 1 <= value <= MAX_PARAMS:  # NaN too
         raise argparse.ArgumentTypeError(
-            f"expected a parameter count like 7.5e9 or 350M, got {text!r}"
-        ) from None
+            f"expected a parameter count from 1 to {MAX_PARAMS:.0e} like 7.5e9 or 350M, got {text!r}"
+        )
     # 1.1 * 1e9 is 1100000000.0000002 in floating point: snap to the count that was meant.
-    if math.isfinite(value) and abs(value - round(value)) <= 1e-9 * abs(value):
+    if abs(value - round(value)) <= 1e-9 * abs(value):
         return round(value)
     return value  # estimate_memory says what is wrong with it
 
@@ -133,15 +184,23 @@ def _estimate(argv: list[str]) -> int:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9 or 350M")
     src.add_argument("--model", help="a plait GPT config name (exact parameter count), e.g. gpt2")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree N (default 1)")
+    parser.add_argument(
+        "--dp", type=_int_in(1, MAX_RANKS), default=1, help="data-parallel degree N (default 1)"
+    )
     parser.add_argument("--zero-stage", type=int, default=0, help="0 (baseline), 1, 2 or 3 (default 0)")
     parser.add_argument("--optimizer", default="adam", help=f"{', '.join(OPTIMIZERS)} (default adam)")
     parser.add_argument("--precision", default="bf16", help=f"{', '.join(PRECISIONS)} (default bf16)")
     parser.add_argument(
-        "--shard", type=int, help="hybrid sharding group size F, a divisor of dp (default dp)"
+        "--shard",
+        type=_int_in(1, MAX_RANKS),
+        help="hybrid sharding group size F, a divisor of dp (default dp)",
     )
-    parser.add_argument("--batch", type=int, help="micro-batch size: adds activations (needs --model)")
-    parser.add_argument("--seq", type=int, help="sequence length (default: the model's seq_len)")
+    parser.add_argument(
+        "--batch", type=_int_in(1, MAX_RANKS), help="micro-batch size: adds activations (needs --model)"
+    )
+    parser.add_argument(
+        "--seq", type=_int_in(1, MAX_RANKS), help="sequence length (default: the model's seq_len)"
+    )
     parser.add_argument("--recompute", action="store_true", help="full activation recomputation")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     try:
@@ -205,17 +264,26 @@ def _schedule(argv: list[str]) -> int:
         "interleaved 1F1B, Zero Bubble).",
     )
     parser.add_argument("--kind", required=True, help=f"{', '.join(SCHEDULES)}")
-    parser.add_argument("--stages", type=int, required=True, help="pipeline ranks p")
-    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per step m")
+    parser.add_argument("--stages", type=_int_in(1, MAX_STAGES), required=True, help="pipeline ranks p")
     parser.add_argument(
-        "--virtual-stages", type=int, help="model chunks per rank v (default 2 for interleaved, zb-v; else 1)"
+        "--microbatches",
+        type=_int_in(1, MAX_SCHEDULE_ACTIONS),
+        required=True,
+        help="micro-batches per step m",
+    )
+    parser.add_argument(
+        "--virtual-stages",
+        type=_int_in(1, MAX_SCHEDULE_ACTIONS),
+        help="model chunks per rank v (default 2 for interleaved, zb-v; else 1)",
     )
     parser.add_argument(
         "--costs", default="1,1,1", help="F,B,W times, or F,BW (B and W get half each); default 1,1,1"
     )
     parser.add_argument("--comm", type=float, default=0.0, help="latency of a cross-rank edge (default 0)")
     parser.add_argument("--out", help="write the timeline as a PNG here")
-    parser.add_argument("--width", type=int, default=100, help="columns of the text timeline (default 100)")
+    parser.add_argument(
+        "--width", type=_int_in(10, MAX_WIDTH), default=100, help="columns of the text timeline (default 100)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     try:
         args = parser.parse_args(argv)
@@ -225,13 +293,30 @@ def _schedule(argv: list[str]) -> int:
         raise ConfigError(f"unknown schedule kind {args.kind!r}; valid: {', '.join(SCHEDULES)}")
     costs = Costs.parse(args.costs, comm=args.comm)
     v = args.virtual_stages if args.virtual_stages is not None else default_virtual_stages(args.kind)
+    size = args.stages * args.microbatches * v
+    limit = MAX_PNG_ACTIONS if args.out else MAX_SCHEDULE_ACTIONS
+    if size > limit:
+        raise ConfigError(
+            f"--stages x --microbatches x virtual stages = {args.stages} x {args.microbatches} x {v} = "
+            f"{size:,} is more than plait schedule {'draws as a PNG' if args.out else 'simulates'} "
+            f"({limit:,}); lower --stages or --microbatches"
+        )
+    if args.out and args.stages > MAX_PNG_STAGES:
+        raise ConfigError(f"--out draws at most {MAX_PNG_STAGES} --stages, got {args.stages}")
+    if args.out:
+        _check_writable_file(args.out, "--out")  # before the work, not after it
     schedule = make_schedule(args.kind, args.stages, args.microbatches, v)
     check_schedule(schedule)
     result = simulate(schedule, costs)
     p, m = schedule.p, schedule.m
     expected = formula_bubble(args.kind, p, m, schedule.v, costs)
     expected_time = formula_bubble_time(args.kind, p, m, schedule.v, costs)
-    png = render_png([(f"{args.kind} p={p} m={m} v={schedule.v}", result, p)], args.out) if args.out else None
+    png = None
+    if args.out:
+        try:
+            png = render_png([(f"{args.kind} p={p} m={m} v={schedule.v}", result, p)], args.out)
+        except OSError as exc:
+            raise ConfigError(f"--out {args.out!r}: cannot write it ({exc.strerror or exc})") from None
     if args.json:
         out = result.to_json()
         out.update(
@@ -271,6 +356,38 @@ def _schedule(argv: list[str]) -> int:
     return 0
 
 
+def _check_writable_file(path: str, option: str) -> None:
+    """`path` can be written: its directory exists and takes a new file (probed, then removed)."""
+    import tempfile
+
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(
+            f"{option} {path!r} is a directory; give a file name, e.g. {target / 'timeline.png'}"
+        )
+    parent = target.absolute().parent
+    if not parent.is_dir():
+        raise ConfigError(f"{option} {path!r}: the directory {str(parent)!r} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".plait-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"{option} {path!r}: cannot write in {str(parent)!r} ({exc.strerror or exc})"
+        ) from None
+
+
+def _stdout_gone() -> None:
+    """The reader of stdout went away (`plait schedule | head -1`): send what is left nowhere, so
+    the interpreter's last flush at exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass  # not a real file (a test's capture): nothing will flush it at exit
+
+
 COMMANDS = {"train": _train, "export": _export, "estimate": _estimate, "schedule": _schedule}
 
 
@@ -290,7 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         parser.error(f"unknown command {argv[0]!r}; valid: {', '.join(COMMANDS)}")
     try:
-        return COMMANDS[argv[0]](argv[1:])
+        code = COMMANDS[argv[0]](argv[1:])
+        sys.stdout.flush()  # a closed pipe shows here, inside the try
+        return code
+    except BrokenPipeError:
+        _stdout_gone()
+        return 141  # what a shell reports for a process ended by SIGPIPE (128 + 13)
     except ConfigError as exc:
         print(f"plait: config error: {exc}", file=sys.stderr)
         return 2
@@ -300,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("plait: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # the file system said no (a full disk, a permission): one line
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"plait: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -269,6 +269,9 @@ def test_a_stuck_rank_is_reported_by_the_watchdog_and_the_job_ends(tmp_path):
     assert r.returncode == 1, r.stderr
     assert "plait watchdog: rank 0" in r.stderr and "all_reduce on axis 'dp'" in r.stderr, r.stderr
     assert "rank 1: last op" in r.stderr  # what the stuck rank last did
+    # Printed once, by the rank (the launcher points at it), and without a stack dump.
+    assert r.stderr.count("plait watchdog: rank 0") == 1 and "the watchdog report above" in r.stderr
+    assert "main thread" not in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert elapsed < 40, elapsed  # timeout 4 s + start-up, not a hang
 
 

@@ -9,6 +9,10 @@ the process group's key-value store), writes the same report to the torchelastic
 the launcher shows it as the root cause, and ends the process with exit code 3; the launcher
 then takes the other ranks down. The same idea as NCCL's watchdog and PyTorch's flight
 recorder, for every backend.
+
+The report is printed once, by the rank (plait's launcher points at it rather than repeating
+it). The Python stack of the rank's main thread, where it waits, is added only when asked:
+`PLAIT_WATCHDOG_STACK=1` in the environment.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ import traceback
 import torch.distributed as dist
 
 WATCHDOG_EXIT_CODE = 3
+WATCHDOG_PREFIX = "plait watchdog:"
+"""How every watchdog report begins (the launcher recognises a report by it)."""
+STACK_ENV = "PLAIT_WATCHDOG_STACK"
+"""Set to 1 to add the main thread's Python stack to a watchdog report."""
 _STORE_PREFIX = "plait/flight/"
 
 
@@ -187,8 +195,9 @@ class Watchdog(threading.Thread):
         return lines
 
     def _fire(self, entry: OpEntry) -> None:
+        stack = os.environ.get(STACK_ENV, "") not in ("", "0")
         report = (
-            f"plait watchdog: rank {self.rank} waited {time.monotonic() - entry.t_mono:.1f}s "
+            f"{WATCHDOG_PREFIX} rank {self.rank} waited {time.monotonic() - entry.t_mono:.1f}s "
             f"(timeout {self.timeout_s:g}s) for collective #{entry.seq} {entry.op} on axis "
             f"'{entry.axis}' ({entry.nbytes} bytes); it did not complete.\n"
             f"  A rank probably skipped or reordered a collective, is stuck, or died.\n"
@@ -197,19 +206,22 @@ class Watchdog(threading.Thread):
         # This rank's own report goes out first: the store below may hang with a dead host.
         sys.stderr.write(report + "\n")
         sys.stderr.flush()
-        write_error_file(report, callstack=report + "\n\nmain thread:\n" + _main_thread_stack())
+        write_error_file(report)
         others: list[str] = []
         reader = threading.Thread(
             target=lambda: (self._publish(), others.extend(self._others())), daemon=True
         )
         reader.start()
         reader.join(timeout=5.0)
-        if others:
-            tail = "  other ranks:\n" + "\n".join(others)
-            sys.stderr.write(tail + "\n")
-            sys.stderr.flush()
-            report = f"{report}\n{tail}"
-            write_error_file(report, callstack=report + "\n\nmain thread:\n" + _main_thread_stack())
+        tail = ("  other ranks:\n" + "\n".join(others)) if others else ""
+        if stack:
+            tail += f"\n  rank {self.rank}, main thread:\n{_main_thread_stack()}"
+        else:
+            tail += f"\n  ({STACK_ENV}=1 adds this rank's Python stack to the report)"
+        tail = tail.lstrip("\n")
+        sys.stderr.write(tail + "\n")
+        sys.stderr.flush()
+        write_error_file(f"{report}\n{tail}")
         os._exit(WATCHDOG_EXIT_CODE)
 
 

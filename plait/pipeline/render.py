@@ -36,10 +36,13 @@ def render_text(result: SimResult | list[Event], p: int, width: int = 100) -> st
     if span <= width and all(abs(x - round(x)) < 1e-9 for x in times):
         per_unit = width // round(span)
         width, dt = per_unit * round(span), 1.0 / per_unit
+    by_rank: dict[int, list[Event]] = {}  # one pass over the events, not one per rank
+    for e in res.events:
+        by_rank.setdefault(e.rank, []).append(e)
     rows = []
     for rank in range(p):
         cells = ["."] * width
-        for e in (e for e in res.events if e.rank == rank):
+        for e in by_rank.get(rank, ()):
             # Columns whose midpoint falls inside [start, end): an action is never drawn twice as wide
             # as it is, and a short one may vanish at a coarse width (the legend gives the scale).
             first = max(int(round((e.start - t0) / dt)), 0)
@@ -86,10 +89,11 @@ def render_png(panels: list[tuple[str, SimResult | list[Event], int]], path: str
     for ax, (title, timeline, p), unit in zip(axes[:, 0], panels, units, strict=True):
         res = _as_result(timeline, p)
         t0 = min((e.start for e in res.events), default=0.0)
-        chunk = {}  # (rank, stage) -> the chunk's order on its rank, for shading
-        for rank in range(p):
-            for i, s in enumerate(sorted({e.stage for e in res.events if e.rank == rank})):
-                chunk[(rank, s)] = i
+        stages: dict[int, set[int]] = {}
+        for e in res.events:
+            stages.setdefault(e.rank, set()).add(e.stage)
+        # (rank, stage) -> the chunk's order on its rank, for shading
+        chunk = {(rank, s): i for rank, held in stages.items() for i, s in enumerate(sorted(held))}
         for e in res.events:
             kinds_seen.add(e.kind)
             y = p - 1 - e.rank  # rank 0 on top

@@ -6,9 +6,9 @@
     plait train configs/default.toml --train.steps 50 --parallel.dp 2
 
 Loading is strict. An unknown section or key is an error naming the nearest valid one; a value
-of the wrong type, a negative size or an inconsistent combination (the world size not divisible
-into the batch, heads not divisible by tp, ...) is rejected here, in the launching process,
-before any rank starts.
+of the wrong type, a negative or out-of-range size (`_BOUNDS`, docs/fault-tolerance.md) or an
+inconsistent combination (the world size not divisible into the batch, heads not divisible by
+tp, ...) is rejected here, in the launching process, before any rank starts.
 """
 
 from __future__ import annotations
@@ -233,7 +233,10 @@ def _coerce(where: str, value, t: type, optional: bool, from_cli: bool):
                     raise ValueError
                 return low in ("true", "1", "yes")
             if t is int:
-                f = float(value)
+                try:
+                    return int(value)  # exact, however long ("9999999999999999999999")
+                except ValueError:
+                    f = float(value)  # "1e6"
                 if not f.is_integer():
                     raise ValueError
                 return int(f)
@@ -293,10 +296,8 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
     cfg = Config()
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} not found")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(_read_config_text(p))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from None
         for section, values in data.items():
@@ -311,6 +312,28 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
         set_key(cfg, section, key, value, from_cli=True)
     validate(cfg)
     return cfg
+
+
+def _read_config_text(p: Path) -> str:
+    """The text of config file `p`, or a ConfigError that says what `p` is instead."""
+    if p.is_dir():
+        raise ConfigError(
+            f"config file {str(p)!r} is a directory; give a TOML file, e.g. configs/default.toml"
+        )
+    if not p.exists():
+        raise ConfigError(f"config file {str(p)!r} not found")
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read ({exc.strerror or exc})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"config file {str(p)!r} is not UTF-8 text (byte 0x{raw[exc.start]:02x} on line {line}); "
+            "a TOML config is UTF-8: is it the right file, or saved in another encoding?"
+        ) from None
 
 
 def config_from_dict(data: dict) -> Config:
@@ -331,8 +354,58 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# Upper bounds of the sizes (docs/fault-tolerance.md, "Before start"): far above any real run, low
+# enough that a slip (a pasted number, a few zeros too many) is refused before start rather than
+# running for ever, looping over it, or overflowing a 64-bit field later.
+MAX_STEPS = 10**9
+"""Step counts (steps, warm-up, intervals, stop_at, freeze_step): 30 years at one step a second."""
+MAX_SIZE = 2**20
+"""Model dimensions, parallel degrees and their product, batch sizes: 1,048,576."""
+MAX_SAMPLE_TOKENS = 2**16
+"""train.sample_tokens: one forward pass each."""
+MAX_TIMEOUT_S = 10**6
+"""comm.timeout_s (11.6 days): torch's process-group timeout derives from it."""
+MAX_PIPELINE_ACTIONS = 2**15
+"""parallel.pp x microbatches x virtual_stages."""
+_INT64_MAX = 2**63 - 1
+_BOUNDS = {
+    **dict.fromkeys(
+        ("train.steps", "train.warmup_steps", "train.stop_at", "train.log_every", "train.eval_every")
+        + ("train.checkpoint_every", "train.keep_checkpoints", "comm.freeze_step"),
+        (MAX_STEPS, "a billion steps"),
+    ),
+    **dict.fromkeys(
+        ("model.n_layer", "model.n_head", "model.d_model", "model.d_ff", "model.seq_len", "model.experts")
+        + ("model.moe_every", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep")
+        + ("parallel.microbatches", "parallel.virtual_stages", "parallel.hybrid_shard")
+        + ("train.global_batch", "train.micro_batches", "train.eval_batches", "comm.powersgd_rank"),
+        (MAX_SIZE, "2**20"),
+    ),
+    "train.sample_tokens": (MAX_SAMPLE_TOKENS, "one forward pass per token"),
+    "comm.timeout_s": (MAX_TIMEOUT_S, "11.6 days: a collective pending that long is a hang"),
+}
+
+
+def _check_bounds(cfg: Config) -> None:
+    """Every integer key fits 64 bits and every bounded key is at most its bound (`_BOUNDS`)."""
+    for section, values in cfg.to_dict().items():
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            limit, why = _BOUNDS.get(name, (None, ""))
+            if limit is not None and value is not None and value > limit:
+                raise ConfigError(f"{name} = {value} is out of range: at most {limit:,} ({why})")
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT64_MAX:
+                raise ConfigError(f"{name} = {value} does not fit a 64-bit integer: at most {_INT64_MAX:,}")
+    world = cfg.world_size
+    _require(
+        world <= MAX_SIZE,
+        f"parallel.pp x dp x ep x tp = {world:,} ranks is out of range: at most {MAX_SIZE:,}",
+    )
+
+
 def validate(cfg: Config) -> None:
     """Reject inconsistent values with a message that says what to change."""
+    _check_bounds(cfg)
     t, p = cfg.train, cfg.parallel
     for name in ("dp", "tp", "pp", "ep"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
@@ -469,6 +542,12 @@ def _validate_pipeline(cfg: Config, n_layer: int) -> None:
     if p.pp == 1:
         return
     m, v = pipeline_shape(cfg)
+    _require(
+        p.pp * m * v <= MAX_PIPELINE_ACTIONS,
+        f"parallel.pp x microbatches x virtual_stages = {p.pp} x {m} x {v} = {p.pp * m * v:,} is out of "
+        f"range: at most {MAX_PIPELINE_ACTIONS:,} (the schedule is built and checked action by action, "
+        "before start and on every rank); lower parallel.microbatches",
+    )
     try:
         make_schedule(p.schedule, p.pp, m, v)
     except ConfigError as exc:

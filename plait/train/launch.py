@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from plait.comm.recorder import WATCHDOG_PREFIX
 from plait.errors import ConfigError
 from plait.testing import free_port
 from plait.train.config import Config
@@ -95,6 +96,9 @@ def launch(cfg: Config, resume: bool = False) -> int:
         raise ConfigError(
             f"{world} ranks need {world} GPUs on this machine, found {torch.cuda.device_count()}"
         )
+    from plait.train.preflight import check_before_start
+
+    check_before_start(cfg, use_cuda=use_cuda, ranks=world)  # run directory writable, memory
     threads = _threads_per_rank(world)
     peak = None
     if not use_cuda:
@@ -159,7 +163,13 @@ def format_child_failure(exc, elapsed: float) -> str:
         f"the job was stopped. Its error:\n"
     ]
     msg = failure.message
-    if isinstance(msg, dict):
+    if isinstance(msg, dict) and msg.get("message", "").startswith(WATCHDOG_PREFIX):
+        # The rank printed its watchdog report itself: say where it is rather than print it twice.
+        lines = [
+            f"\nplait: rank {root} failed after {elapsed:.1f}s (exit code {failure.exitcode}): the "
+            "watchdog report above; the job was stopped."
+        ]
+    elif isinstance(msg, dict):
         text = msg.get("message", "")
         if text.split(":", 1)[0] in _PLAIT_ERRORS:  # plait's own errors say what to change
             lines.append(text)

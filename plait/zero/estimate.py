@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 GB = 1e9
 """Bytes in a gigabyte, as the ZeRO paper counts them."""
 
+MAX_RANKS = 2**20
+"""The largest data-parallel degree the estimator takes."""
+
 ZERO_STAGES = (0, 1, 2, 3)
 STAGE_NAMES = {0: "baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -70,6 +73,12 @@ def dtype_preset(precision: str, optimizer: str) -> tuple[int, int, int]:
     return 2, 2, _MASTER_BYTES + state
 
 
+def _divisors(n: int) -> list[int]:
+    """The divisors of n in increasing order, in O(sqrt(n)) steps (n may be a huge rank count)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 def _positive_int(name: str, value, what: str = "a positive integer") -> int:
     # bool is an int to Python but never a size; floats are accepted when whole (7.5e9).
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -87,11 +96,13 @@ def _check_sharding(dp, zero_stage, shard) -> tuple[int, int, int]:
     if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
         raise ConfigError(f"zero_stage must be one of {_valid(ZERO_STAGES)}, got {zero_stage!r}")
     dp = _positive_int("dp", dp, "an integer >= 1")
+    if dp > MAX_RANKS:
+        raise ConfigError(f"dp must be at most {MAX_RANKS:,} (2**20 ranks), got {dp}")
     if shard is None:
         return dp, int(zero_stage), dp
     shard = _positive_int("shard", shard, "an integer >= 1")
     if dp % shard:
-        divisors = [f for f in range(1, dp + 1) if dp % f == 0]
+        divisors = _divisors(dp)
         raise ConfigError(
             f"shard={shard} does not divide dp={dp}; the shard group size must be one of {_valid(divisors)}"
         )
@@ -152,6 +163,7 @@ def activation_bytes(
     recompute: bool = False,
     tp: int = 1,
     sequence_parallel: bool = False,
+    stored_scores: bool = True,
 ) -> int:
     """Activation bytes kept for backward by the transformer layers of one micro-batch.
 
@@ -169,7 +181,8 @@ def activation_bytes(
     LayerNorm and the logits (which the paper treats separately and which matter for small
     models with large vocabularies) are left out. The 5as/h term assumes the attention scores
     are stored; fused attention (``F.scaled_dot_product_attention``, which plait's GPT uses) does
-    not store them, so for plait the figure is an upper bound. ``seq`` defaults to ``cfg.seq_len``.
+    not store them, so for plait the figure is an upper bound; ``stored_scores=False`` leaves the
+    term out (what fused attention keeps). ``seq`` defaults to ``cfg.seq_len``.
     """
     if precision not in PRECISIONS:
         raise ConfigError(f"precision {precision!r} is not known; valid: {_valid(PRECISIONS)}")
@@ -182,15 +195,16 @@ def activation_bytes(
     t = _positive_int("tp", tp)
     h, a, L = cfg.d_model, cfg.n_head, cfg.n_layer
     if a % t:
-        divisors = [d for d in range(1, a + 1) if a % d == 0]
+        divisors = _divisors(a)
         raise ConfigError(f"tp={t} does not divide n_head={a}; valid tp: {_valid(divisors)}")
     sbh = s * b * h
+    scores = 5 * a * s / h if stored_scores else 0.0  # scores, softmax and its dropout mask
     if recompute:
         per_layer = 2 * sbh / (t if sequence_parallel else 1)
     elif sequence_parallel:
-        per_layer = sbh * (34 + 5 * a * s / h) / t
+        per_layer = sbh * (34 + scores) / t
     else:
-        per_layer = sbh * (10 + 24 / t + 5 * a * s / (h * t))
+        per_layer = sbh * (10 + 24 / t + scores / t)
     scale = 2 if precision == "fp32" else 1
     return round(scale * L * per_layer)
 
