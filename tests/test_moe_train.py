@@ -167,13 +167,18 @@ def test_statistics_count_every_claim_and_drop_only_over_capacity(runs):
 
 def test_expert_parallelism_holds_each_rank_its_experts(runs):
     """ep2 holds half the expert parameters per rank: the model state per rank shrinks by the
-    experts' share (4 experts' MLPs, half of them elsewhere)."""
+    experts' share (4 experts' MLPs, half of them elsewhere); ZeRO-3 over dp2 x ep2 a quarter."""
     cfg = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=32, experts=4)
     expert_params = 4 * (2 * 32 * 128 + 128 + 32)  # w1, w2, b1, b2 of 4 experts
     one = metrics(runs["one"])[8]["model_state_bytes"]["params"]
     ep2 = metrics(runs["ep2"])[8]["model_state_bytes"]["params"]
     assert one == 4 * cfg.n_params()
     assert one - ep2 == 4 * expert_params // 2
+    # ZeRO-3 at dp2 x ep2: experts sharded over dp within their ep slice, the rest over dp x ep:
+    # a quarter of everything, plus each unit's padding to a multiple of its shard count
+    z3 = metrics(runs["dp2xep2-z3"])[8]["model_state_bytes"]["params"]
+    units = 2 + 2  # the root and the dense block; the MoE block's dense part and its experts
+    assert one // 4 <= z3 <= one // 4 + 4 * 3 * units, (z3, one // 4)
 
 
 def test_moe_parameter_count_and_active_flops():
