@@ -35,3 +35,7 @@ class PipelineError(PlaitError):
 
 class ExportError(PlaitError):
     """An exported model file that cannot be written or read back."""
+
+
+class DivergedError(PlaitError):
+    """Training produced non-finite losses or gradients and stopped (train.nonfinite)."""
