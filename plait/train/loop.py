@@ -265,10 +265,8 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
 
 
 def _save(run: _Run, step: int) -> None:
-    t = run.cfg.train
-    save_checkpoint(
-        run.run_dir / "checkpoints", step, run.mesh, run.engine, run.scheduler, run.sampler, t.keep_checkpoints
-    )
+    keep = run.cfg.train.keep_checkpoints
+    save_checkpoint(run.run_dir / "checkpoints", step, run.mesh, run.engine, run.scheduler, run.sampler, keep)
 
 
 def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, restart: int = 0) -> _Run:
