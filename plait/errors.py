@@ -39,3 +39,7 @@ class ExportError(PlaitError):
 
 class DivergedError(PlaitError):
     """Training produced non-finite losses or gradients and stopped (train.nonfinite)."""
+
+
+class ReplicaMismatchError(PlaitError):
+    """Tensors that must be identical on several ranks differ (train.replica_check_every)."""

@@ -101,6 +101,9 @@ class TrainConfig:
     max_restarts: int = _f(
         0, "restart the job from its newest checkpoint this many times when a rank dies or raises"
     )
+    replica_check_every: int = _f(
+        100, "compare the hashes of replicated parameters across ranks every this many steps (0 = never)"
+    )
 
 
 @dataclasses.dataclass
@@ -360,8 +363,9 @@ def validate(cfg: Config) -> None:
     _require(
         t.nonfinite in ("skip", "stop"), f"train.nonfinite = {t.nonfinite!r} is not valid; valid: skip, stop"
     )
+    for name in ("max_restarts", "replica_check_every"):
+        _require(getattr(t, name) >= 0, f"train.{name} must be >= 0, got {getattr(t, name)}")
     _require(t.max_nonfinite >= 1, f"train.max_nonfinite must be >= 1, got {t.max_nonfinite}")
-    _require(t.max_restarts >= 0, f"train.max_restarts must be >= 0, got {t.max_restarts}")
     per = p.dp * p.ep * t.micro_batches  # the batch is split over dp x ep
     if t.global_batch % per:
         lo, hi = (t.global_batch // per) * per, math.ceil(t.global_batch / per) * per

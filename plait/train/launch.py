@@ -200,6 +200,7 @@ _PLAIT_ERRORS = {
     "CheckpointError",
     "DataParallelError",
     "DivergedError",
+    "ReplicaMismatchError",
 }
 
 

@@ -37,6 +37,7 @@ from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_chec
 from plait.train.config import Config, model_config
 from plait.train.metrics import MetricsWriter, peak_memory_bytes, plot_loss_curve, read_metrics
 from plait.train.peak import peak_flops_per_rank
+from plait.train.replicas import check_replicas
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -221,10 +222,12 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
     loss, val_loss = float("nan"), None
     for step in range(run.start + 1, run.last + 1):
         if hook is not None:
-            hook(step=step, rank=mesh.global_rank, cfg=cfg)
+            hook(step=step, rank=mesh.global_rank, cfg=cfg, engine=engine)
         record = _train_step(run, step)
         loss = record["loss"]
         _guard_nonfinite(run, step, record)
+        if t.replica_check_every and step % t.replica_check_every == 0:
+            record["replicas_checked"] = check_replicas(engine, mesh, step)
         window.steps += 1
         if step % t.log_every == 0 or step == run.last:
             _log(run, step, record, window)
@@ -610,7 +613,7 @@ def _write_timeline(engine, mesh: Mesh, run_dir: Path, step_time: float) -> None
 
 def step_hook():
     """The function named by PLAIT_STEP_HOOK ("package.module:function"), called as
-    `hook(step=, rank=, cfg=)` at the start of every step, or None: an extension point for
+    `hook(step=, rank=, cfg=, engine=)` at the start of every step, or None: an extension point for
     instrumentation and for the failure tests (plait.testing.inject_fault)."""
     spec = os.environ.get("PLAIT_STEP_HOOK")
     if not spec:
