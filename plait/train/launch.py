@@ -150,6 +150,10 @@ def launch(cfg: Config, resume: bool = False) -> int:
     from plait.train.loop import PREEMPTED_EXIT
 
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    # A restarted group must not share the agent's store with the failed one: its ranks would
+    # read the old group's addresses and fail to connect (pytorch/pytorch#135712). Each
+    # attempt's rank 0 then hosts a store of its own on a fresh port.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
