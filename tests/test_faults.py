@@ -101,19 +101,25 @@ def test_a_diverging_run_skips_then_stops_and_never_saves_non_finite_values(runs
     assert "DivergedError: training diverged at step" in r.stderr and "Traceback" not in r.stderr
     m = metrics(run)
     skipped = [s for s in sorted(m) if m[s].get("skipped")]
-    assert skipped == [2, 3, 4], m  # 3 in a row (train.max_nonfinite), then the stop
-    assert all(not math.isfinite(m[s]["loss"]) for s in skipped)
-    assert "step 2 skipped: non-finite loss" in r.stdout
-    # a checkpoint every step, but none while skipping: step 1's is the newest, and finite
-    assert _finite_checkpoints(run) == [1]
-    assert "the last checkpoint" in r.stderr and "step_00000001" in r.stderr
+    first = skipped[0]
+    assert first >= 2 and all(math.isfinite(m[s]["loss"]) for s in range(1, first))
+    # 3 in a row (train.max_nonfinite), the third one the stop
+    assert skipped == [first, first + 1, first + 2] and max(m) == first + 2, m
+    assert all(not math.isfinite(m[s]["loss"]) or not math.isfinite(m[s]["grad_norm"]) for s in skipped)
+    assert f"step {first} skipped: non-finite loss" in r.stdout
+    # a checkpoint every step, but none while skipping: the newest is the last good step's,
+    # every kept one is read back finite, and the message names it
+    assert _finite_checkpoints(run)[-1] == first - 1
+    assert "the last checkpoint" in r.stderr and f"step_{first - 1:08d}" in r.stderr
 
 
 def test_nonfinite_stop_ends_the_run_at_the_first_bad_step(runs):
     run, r = runs["diverged-stop"]
     assert r.returncode == 1 and "train.nonfinite = 'stop'" in r.stderr, r.stderr[-2000:]
-    assert max(metrics(run)) == 2
-    assert _finite_checkpoints(run) == [1]
+    m = metrics(run)
+    last = max(m)
+    assert m[last]["skipped"] and not any(m[s].get("skipped") for s in range(1, last))
+    assert _finite_checkpoints(run)[-1] == last - 1
 
 
 def test_a_corrupted_replica_is_caught_and_named(runs):
