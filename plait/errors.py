@@ -35,3 +35,11 @@ class PipelineError(PlaitError):
 
 class ExportError(PlaitError):
     """An exported model file that cannot be written or read back."""
+
+
+class DivergedError(PlaitError):
+    """Training produced non-finite losses or gradients and stopped (train.nonfinite)."""
+
+
+class ReplicaMismatchError(PlaitError):
+    """Tensors that must be identical on several ranks differ (train.replica_check_every)."""

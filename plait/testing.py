@@ -17,6 +17,7 @@ import math
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
@@ -293,13 +294,17 @@ def single_process_reference(
 # --- fault injection --------------------------------------------------------------------------
 
 
-def inject_fault(step: int, rank: int, cfg) -> None:
+def inject_fault(step: int, rank: int, cfg, engine=None) -> None:
     """A trainer step hook for the failure tests: run `plait train` with
-    PLAIT_STEP_HOOK=plait.testing:inject_fault and PLAIT_FAIL_AT=RANK:STEP[:hang|:enospc], and
-    that rank raises at that step, hangs (the others then wait for it in a collective), or finds
-    its disk full (every disk-offload write from then on fails with ENOSPC)."""
+    PLAIT_STEP_HOOK=plait.testing:inject_fault and PLAIT_FAIL_AT=RANK:STEP[:MODE], and at that
+    step that rank raises (no MODE), hangs (`hang`: the others then wait for it in a
+    collective), finds its disk full (`enospc`: every disk-offload write from then on fails),
+    dies at once (`kill`: SIGKILL, no traceback, no cleanup), sends SIGTERM to the launcher
+    that started it (`sigterm`: a scheduler's pre-emption), or changes one value of its first
+    parameter (`perturb`: silent corruption of one replica). Only in the job's first attempt: a
+    job restarted by the launcher (train.max_restarts) runs clean."""
     spec = os.environ.get("PLAIT_FAIL_AT")
-    if not spec:
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0):
         return
     at_rank, at_step, *mode = spec.split(":")
     if (int(at_rank), int(at_step)) != (rank, step):
@@ -309,6 +314,15 @@ def inject_fault(step: int, rank: int, cfg) -> None:
         time.sleep(10 * cfg.comm.timeout_s)
     elif mode == "enospc":
         _fill_disk()
+    elif mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "sigterm":
+        os.kill(os.getppid(), signal.SIGTERM)
+    elif mode == "perturb":
+        from plait.train.replicas import held_parameters
+
+        with torch.no_grad():
+            held_parameters(engine)[0][1].view(-1)[0] += 1e-3
     else:
         raise RuntimeError(f"injected fault on rank {rank} at step {step} (PLAIT_FAIL_AT)")
 

@@ -19,6 +19,7 @@ options, the LR schedule, the step, the sampler position, and every rank's RNG s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -31,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from plait import comm
-from plait.errors import CheckpointError
+from plait.errors import CheckpointError, DivergedError
 from plait.mesh import Mesh
 from plait.zero.state import group_options, set_group_options
 
@@ -92,12 +93,20 @@ def save_checkpoint(
     root = Path(root)
     final = _step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
+    engine.finish()  # a delayed (ZeRO-Offload DPU) step still in flight is part of this state
+    model_sd, optim_sd = engine.checkpoint_state()
+    if not _all_finite(model_sd, mesh):  # a diverged model never replaces a finite checkpoint
+        found = None
+        with contextlib.suppress(CheckpointError):
+            found = latest_checkpoint(root)
+        raise DivergedError(
+            f"step {step}: the parameters hold non-finite values, so no checkpoint was saved; "
+            + (f"the last finite one is {found}" if found is not None else "no earlier checkpoint exists")
+        )
     if mesh.is_rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     comm.barrier(mesh)
-    engine.finish()  # a delayed (ZeRO-Offload DPU) step still in flight is part of this state
-    model_sd, optim_sd = engine.checkpoint_state()
     state = {
         "model": model_sd,
         "optim": optim_sd,
@@ -135,6 +144,16 @@ def save_checkpoint(
         _prune(root, keep)
     comm.barrier(mesh)
     return final
+
+
+def _all_finite(state: dict, mesh: Mesh) -> bool:
+    """Whether every rank's part of every tensor of `state` is finite (agreed by all ranks)."""
+    ok = True
+    for v in state.values():
+        parts = [s.tensor for s in v.local_shards()] if hasattr(v, "local_shards") else [v]
+        floats = [t for t in parts if torch.is_tensor(t) and t.is_floating_point()]
+        ok = ok and all(bool(torch.isfinite(t).all()) for t in floats)
+    return comm.all_reduce_scalar(float(ok), mesh, ("world",), op="min") == 1.0
 
 
 def _prune(root: Path, keep: int) -> None:

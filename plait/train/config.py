@@ -94,6 +94,16 @@ class TrainConfig:
     peak_tflops: float = _f(
         0.0, "peak TFLOP/s per rank for MFU (0 = measure on the CPU / datasheet on a GPU)"
     )
+    nonfinite: str = _f(
+        "skip", "a step with a non-finite loss or gradient norm: 'skip' it (parameters untouched) or 'stop'"
+    )
+    max_nonfinite: int = _f(10, "nonfinite = 'skip': stop after this many consecutive skipped steps")
+    max_restarts: int = _f(
+        0, "restart the job from its newest checkpoint this many times when a rank dies or raises"
+    )
+    replica_check_every: int = _f(
+        100, "compare the hashes of replicated parameters across ranks every this many steps (0 = never)"
+    )
 
 
 @dataclasses.dataclass
@@ -423,6 +433,12 @@ def validate(cfg: Config) -> None:
     _require(t.grad_clip >= 0 and t.weight_decay >= 0, "train.grad_clip and train.weight_decay must be >= 0")
     _require(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {t.device!r}")
     _require(t.peak_tflops >= 0, "train.peak_tflops must be >= 0")
+    _require(
+        t.nonfinite in ("skip", "stop"), f"train.nonfinite = {t.nonfinite!r} is not valid; valid: skip, stop"
+    )
+    for name in ("max_restarts", "replica_check_every"):
+        _require(getattr(t, name) >= 0, f"train.{name} must be >= 0, got {getattr(t, name)}")
+    _require(t.max_nonfinite >= 1, f"train.max_nonfinite must be >= 1, got {t.max_nonfinite}")
     per = p.dp * p.ep * t.micro_batches  # the batch is split over dp x ep
     if t.global_batch % per:
         lo, hi = (t.global_batch // per) * per, math.ceil(t.global_batch / per) * per

@@ -3,9 +3,13 @@
 * Under an outer `torchrun` (multi-node, or a cluster's launcher) `plait train` is one rank and
   runs the loop directly; WORLD_SIZE must match the configuration.
 * One rank: the loop runs in this process (a gloo group of one), so a debugger just works.
-* Several ranks on this machine: `elastic_launch` starts them with the c10d rendezvous, no
-  restarts, and a 0.1 s monitor: when a rank fails, the agent stops the others at once and
-  the failing rank's own traceback (or the watchdog's report) is printed as the root cause.
+* Several ranks on this machine (or one, with restarts): `elastic_launch` starts them with the
+  c10d rendezvous and a 0.1 s monitor: when a rank fails, the agent stops the others at once
+  and either restarts them all (`train.max_restarts` times; each restart resumes from the
+  newest checkpoint) or prints the failing rank's own traceback (or the watchdog's report) as
+  the root cause.
+* Signals: SIGTERM (a scheduler's pre-emption) makes every rank finish its step, save a
+  checkpoint and exit with 143; Ctrl-C (SIGINT) stops with 130, one line, no traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -51,12 +56,32 @@ def _threads_per_rank(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
+def _restart_count() -> int:
+    """How many times the launcher (plait's, or an outer torchrun with --max-restarts) has
+    restarted this job's ranks."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def _worker(cfg_dict: dict, resume: bool, peak: float | None) -> dict:
     """Entry point of each spawned rank (elastic_launch records its exception in the error file)."""
     from plait.train.config import config_from_dict
     from plait.train.loop import run
 
-    return run(config_from_dict(cfg_dict), resume=resume, peak_flops=peak)
+    signal.signal(signal.SIGINT, _interrupt_once)
+    try:
+        return run(config_from_dict(cfg_dict), resume=resume, peak_flops=peak, restart=_restart_count())
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says it once
+        raise SystemExit(INTERRUPTED_EXIT) from None
+
+
+def _interrupt_once(signum, frame):
+    """A rank's Ctrl-C: stop; the agent's SIGINT that follows while the rank winds down is
+    ignored (it would interrupt the clean-up itself and print a traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+INTERRUPTED_EXIT = 130  # 128 + SIGINT
 
 
 def launch(cfg: Config, resume: bool = False) -> int:
@@ -72,7 +97,7 @@ def launch(cfg: Config, resume: bool = False) -> int:
             )
         from plait.train.loop import run
 
-        run(cfg, resume=resume)
+        run(cfg, resume=resume, restart=_restart_count())
         return 0
 
     cfg = resolve_run_dir(cfg)
@@ -104,7 +129,7 @@ def launch(cfg: Config, resume: bool = False) -> int:
     if not use_cuda:
         peak = peak_flops_per_rank(torch.device("cpu"), cfg.train.bf16, threads, cfg.train.peak_tflops)
 
-    if world == 1:
+    if world == 1 and cfg.train.max_restarts == 0:
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(free_port()),
@@ -122,10 +147,17 @@ def launch(cfg: Config, resume: bool = False) -> int:
                 os.environ.pop(k, None)
         return 0
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from plait.train.loop import PREEMPTED_EXIT
+
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    # A restarted group must not share the agent's store with the failed one: its ranks would
+    # read the old group's addresses and fail to connect (pytorch/pytorch#135712). Each
+    # attempt's rank 0 then hosts a store of its own on a fresh port.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -133,22 +165,51 @@ def launch(cfg: Config, resume: bool = False) -> int:
         run_id=f"plait-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
+        max_restarts=cfg.train.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )
-    # The agent logs every rank's traceback at ERROR level; plait prints the root cause once.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # The agent logs every rank's traceback at ERROR level, and its shutdowns and restarts at
+    # WARNING, each module's logger at its own level; plait prints the root cause once.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     t0 = time.time()
     try:
         elastic_launch(lc, entrypoint=_worker)(cfg.to_dict(), resume, peak)
     except ChildFailedError as exc:
+        codes = {f.exitcode for f in exc.failures.values()}
+        if codes == {PREEMPTED_EXIT}:  # the ranks themselves got SIGTERM and saved
+            return PREEMPTED_EXIT
+        if codes == {INTERRUPTED_EXIT}:
+            sys.stderr.write("plait: interrupted\n")
+            return INTERRUPTED_EXIT
         sys.stderr.write(format_child_failure(exc, time.time() - t0))
         return 1
+    except SignalException as exc:  # the launcher got it; the agent has stopped the ranks
+        if exc.sigval == signal.SIGINT:
+            sys.stderr.write("plait: interrupted\n")
+            return INTERRUPTED_EXIT
+        name = signal.Signals(exc.sigval).name
+        if exc.sigval == signal.SIGTERM:  # passed on to the ranks, which saved a checkpoint
+            sys.stderr.write(
+                f"plait: stopped by {name}; continue with: plait train --resume {cfg.train.run_dir}\n"
+            )
+        else:
+            sys.stderr.write(f"plait: stopped by {name}\n")
+        return 128 + int(exc.sigval)
     return 0
 
 
-_PLAIT_ERRORS = {"ConfigError", "TopologyError", "CommError", "CheckpointError", "DataParallelError"}
+_PLAIT_ERRORS = {
+    "ConfigError",
+    "TopologyError",
+    "CommError",
+    "CheckpointError",
+    "DataParallelError",
+    "DivergedError",
+    "ReplicaMismatchError",
+}
 
 
 def format_child_failure(exc, elapsed: float) -> str:

@@ -15,7 +15,9 @@ import importlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from tqdm import tqdm
 from plait import comm
 from plait.data import DistributedBatchSampler, eval_batches, load_corpus
 from plait.engine import Engine, ErrorFeedback, RecordsTimeline
-from plait.errors import CheckpointError, ConfigError
+from plait.errors import CheckpointError, ConfigError, DivergedError
 from plait.mesh import Mesh, init_distributed
 from plait.models import GPT, gpt_train_flops_per_token
 from plait.tensor_parallel import without_sequence_parallel
@@ -35,6 +37,7 @@ from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_chec
 from plait.train.config import Config, model_config
 from plait.train.metrics import MetricsWriter, peak_memory_bytes, plot_loss_curve, read_metrics
 from plait.train.peak import peak_flops_per_rank
+from plait.train.replicas import check_replicas
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -96,8 +99,9 @@ def _say(mesh: Mesh, text: str) -> None:
         sys.stdout.flush()
 
 
-def run(cfg: Config, resume: bool = False, peak_flops: float | None = None) -> dict:
-    """Train on this rank (inside a launcher's environment); returns rank 0's summary."""
+def run(cfg: Config, resume: bool = False, peak_flops: float | None = None, restart: int = 0) -> dict:
+    """Train on this rank (inside a launcher's environment); returns rank 0's summary. `restart`:
+    how many times the launcher restarted the job (it then resumes from the newest checkpoint)."""
     device = init_distributed(
         _resolve_device(cfg.train.device), timeout_s=max(1800.0, 2 * cfg.comm.timeout_s)
     )
@@ -111,14 +115,47 @@ def run(cfg: Config, resume: bool = False, peak_flops: float | None = None) -> d
         timeout_s=cfg.comm.timeout_s,
         dp_shard=p.hybrid_shard or None,
     )
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        return _train(cfg, mesh, resume, peak_flops)
+        return _train(cfg, mesh, resume, peak_flops, restart)
     except BaseException as exc:
         mesh.close(reason=f"failed with {type(exc).__name__}")  # what the other ranks' reports say
         raise
     finally:
+        signal.signal(signal.SIGTERM, previous)
+        if (timer := _STOP.pop("timer", None)) is not None:  # stopped in time: no forced exit
+            timer.cancel()
+        _STOP["signal"] = 0
         mesh.close()
         dist.destroy_process_group()
+
+
+PREEMPTED_EXIT = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
+_STOP = {"signal": 0}  # set by the handler, read at the next step boundary
+
+
+PREEMPT_GRACE_S = 30.0  # as torch's elastic agent, which kills its workers this long after SIGTERM
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM (a scheduler's pre-emption, or the launcher passing it on): finish the step in
+    flight, save a checkpoint and exit with PREEMPTED_EXIT (`_train`). A rank that cannot get
+    there (blocked on a dead peer) exits anyway after PREEMPT_GRACE_S, or at a second SIGTERM,
+    so that nothing waits on it forever; the previous checkpoint is then the newest."""
+    if _STOP["signal"]:
+        os._exit(PREEMPTED_EXIT)
+    _STOP["signal"] = signum
+    _STOP["timer"] = timer = threading.Timer(PREEMPT_GRACE_S, os._exit, args=(PREEMPTED_EXIT,))
+    timer.daemon = True
+    timer.start()
+
+
+class Preempted(SystemExit):
+    """The run stopped at a step boundary on SIGTERM, after saving a checkpoint."""
+
+    def __init__(self, step: int):
+        super().__init__(PREEMPTED_EXIT)
+        self.step = step
 
 
 def check_fresh_run_dir(run_dir: Path) -> None:
@@ -161,10 +198,12 @@ class _Run:
     flops_per_token: float
     peak_flops: float
     timeline_step: int  # the step whose action timeline is recorded (engines that record one)
+    skipped_in_a_row: int = 0  # consecutive steps skipped for a non-finite loss or gradient norm
+    skipped: int = 0  # all steps skipped so far in this invocation
 
 
-def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> dict:
-    run = _setup(cfg, mesh, resume, peak_flops)
+def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, restart: int = 0) -> dict:
+    run = _setup(cfg, mesh, resume, peak_flops, restart)
     t, engine = cfg.train, run.engine
     _announce(run)
     bar = tqdm(
@@ -183,9 +222,12 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     loss, val_loss = float("nan"), None
     for step in range(run.start + 1, run.last + 1):
         if hook is not None:
-            hook(step=step, rank=mesh.global_rank, cfg=cfg)
+            hook(step=step, rank=mesh.global_rank, cfg=cfg, engine=engine)
         record = _train_step(run, step)
         loss = record["loss"]
+        _guard_nonfinite(run, step, record)
+        if t.replica_check_every and step % t.replica_check_every == 0:
+            record["replicas_checked"] = check_replicas(engine, mesh, step)
         window.steps += 1
         if step % t.log_every == 0 or step == run.last:
             _log(run, step, record, window)
@@ -201,16 +243,22 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
         run.metrics.write(**record)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == run.last:
-            save_checkpoint(
-                run.run_dir / "checkpoints",
-                step,
+        due = (t.checkpoint_every and step % t.checkpoint_every == 0) or step == run.last
+        # not while steps are being skipped: the newest checkpoint stays the last good state
+        if due and not run.skipped_in_a_row:
+            _save(run, step)
+        if _stop_requested(mesh):  # SIGTERM on any rank: every rank stops after this step
+            if not due:
+                _save(run, step)
+            bar.close()
+            run.metrics.close()
+            _say(
                 mesh,
-                engine,
-                run.scheduler,
-                run.sampler,
-                t.keep_checkpoints,
+                f"plait: stopped by SIGTERM after step {step}; checkpoint saved in "
+                f"{run.run_dir / 'checkpoints'}; continue with: plait train --resume {run.run_dir}",
             )
+            engine.close()
+            raise Preempted(step)
     bar.close()
     run.metrics.close()
     engine.finish()
@@ -219,12 +267,19 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> d
     return summary
 
 
-def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> _Run:
+def _save(run: _Run, step: int) -> None:
+    keep = run.cfg.train.keep_checkpoints
+    save_checkpoint(run.run_dir / "checkpoints", step, run.mesh, run.engine, run.scheduler, run.sampler, keep)
+
+
+def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, restart: int = 0) -> _Run:
     """The run directory, data, model, engine, schedule and (on resume) the checkpoint's state."""
     t, device = cfg.train, mesh.device
     run_dir = _agreed_run_dir(cfg, mesh)
+    if restart:
+        resume = _restarting(run_dir, mesh, restart, t.max_restarts)
     if mesh.is_rank0:
-        if not resume:
+        if not resume and not restart:
             check_fresh_run_dir(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml())
@@ -293,6 +348,21 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None) -> _
     )
 
 
+def _restarting(run_dir: Path, mesh: Mesh, restart: int, limit: int) -> bool:
+    """The launcher restarted the job after a rank failed: resume from the newest checkpoint
+    (True), or start over when none was saved yet (False). A run that diverged stays stopped."""
+    if (run_dir / DIVERGED).exists():
+        raise DivergedError(f"{run_dir} stopped because training diverged; a restart does not retrain it")
+    found = None
+    with contextlib.suppress(CheckpointError):
+        found = latest_checkpoint(run_dir / "checkpoints")
+    what = f"resuming from {found}" if found is not None else "no checkpoint yet: starting over"
+    _say(mesh, f"plait: restart {restart} of train.max_restarts = {limit} after a rank failed; {what}")
+    if found is None and mesh.is_rank0:
+        _truncate_metrics(run_dir, 0)
+    return found is not None
+
+
 def _announce(run: _Run) -> None:
     """The start-up lines: model, mesh, batch, steps, run directory, engine, notes."""
     cfg, mesh = run.cfg, run.mesh
@@ -352,12 +422,19 @@ def _train_step(run: _Run, step: int) -> dict:
     if timeline:
         _write_timeline(engine, mesh, run.run_dir, time.perf_counter() - t0)
     grad_norm = engine.clip_grad_norm_(t.grad_clip) if t.grad_clip > 0 else engine.grad_norm()
-    engine.step()
-    run.scheduler.step()
-    engine.zero_grad(set_to_none=True)
     mesh.ledger.set_step(-1)  # the loss report is not part of the step's traffic
     loss = comm.all_reduce_scalar(float(local_sum), mesh, (*data_axes(mesh), "pp")) / run.tokens_per_step
-    return {
+    # every rank sees the same loss and norm, so every rank takes the same decision
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if finite:
+        mesh.ledger.set_step(step)
+        engine.step()
+        run.scheduler.step()
+        mesh.ledger.set_step(-1)
+    else:  # the parameters never see a non-finite gradient (train.nonfinite)
+        _clear_nonfinite_residuals(engine)
+    engine.zero_grad(set_to_none=True)
+    record = {
         "step": step,
         "loss": loss,
         "lr": lr,
@@ -365,6 +442,69 @@ def _train_step(run: _Run, step: int) -> dict:
         "step_time_s": time.perf_counter() - t0,
         "local_loss": float(local_sum) / run.local_tokens,
     }
+    if not finite:
+        record["skipped"] = True
+    return record
+
+
+def _clear_nonfinite_residuals(engine) -> None:
+    """A skipped step's non-finite gradient may have reached a compressor's error-feedback
+    residual; such a residual would poison every later step, so it starts again from zero."""
+    buffers = getattr(engine, "residual_buffers", lambda: None)() or {}
+    for t in buffers.values():
+        if not bool(torch.isfinite(t).all()):
+            t.zero_()
+
+
+def _guard_nonfinite(run: _Run, step: int, record: dict) -> None:
+    """Count a skipped step, say so, and stop the run (every rank alike) when train.nonfinite
+    is "stop" or too many steps in a row were skipped."""
+    t = run.cfg.train
+    if not record.get("skipped"):
+        run.skipped_in_a_row = 0
+        return
+    run.skipped += 1
+    run.skipped_in_a_row += 1
+    record["skipped_steps"] = run.skipped
+    what = f"loss {record['loss']:.4g}, gradient norm {record['grad_norm']:.4g}"
+    if t.nonfinite == "skip" and run.skipped_in_a_row < t.max_nonfinite:
+        _say(
+            run.mesh,
+            f"plait: step {step} skipped: non-finite {what} (the parameters were not updated; "
+            f"{run.skipped_in_a_row} in a row, the run stops at train.max_nonfinite = {t.max_nonfinite})",
+        )
+        return
+    run.metrics.write(**record)
+    run.metrics.close()
+    found = None
+    with contextlib.suppress(CheckpointError):
+        found = latest_checkpoint(run.run_dir / "checkpoints")
+    where = (
+        f"the last checkpoint, {found}, holds finite parameters: continue from it with a lower "
+        f"train.lr (plait train --resume {run.run_dir} --train.lr ...)"
+        if found is not None
+        else "no checkpoint was saved before it"
+    )
+    why = (
+        f"{run.skipped_in_a_row} steps in a row (train.max_nonfinite = {t.max_nonfinite})"
+        if t.nonfinite == "skip"
+        else "train.nonfinite = 'stop'"
+    )
+    _mark_diverged(run.run_dir, run.mesh, step)
+    raise DivergedError(f"training diverged at step {step}: non-finite {what}, {why}; {where}")
+
+
+def _stop_requested(mesh: Mesh) -> bool:
+    """Whether any rank got SIGTERM (one small all-reduce over every rank, each step)."""
+    return comm.all_reduce_scalar(float(_STOP["signal"] != 0), mesh, ("world",), op="max") > 0
+
+
+DIVERGED = ".plait-diverged"  # in the run directory: a restarted job does not train again
+
+
+def _mark_diverged(run_dir: Path, mesh: Mesh, step: int) -> None:
+    if mesh.is_rank0:
+        (run_dir / DIVERGED).write_text(f"{step}\n")
 
 
 @dataclasses.dataclass
@@ -473,7 +613,7 @@ def _write_timeline(engine, mesh: Mesh, run_dir: Path, step_time: float) -> None
 
 def step_hook():
     """The function named by PLAIT_STEP_HOOK ("package.module:function"), called as
-    `hook(step=, rank=, cfg=)` at the start of every step, or None: an extension point for
+    `hook(step=, rank=, cfg=, engine=)` at the start of every step, or None: an extension point for
     instrumentation and for the failure tests (plait.testing.inject_fault)."""
     spec = os.environ.get("PLAIT_STEP_HOOK")
     if not spec:
