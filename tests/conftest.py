@@ -41,6 +41,9 @@ TINY = [
     "false",
     "--comm.timeout_s",
     "60",
+    # every run compares its replicas (over dp, ep, tp) at steps 4 and 8
+    "--train.replica_check_every",
+    "4",
 ]
 
 # SGD with momentum and no clipping: every layout must follow one process's trajectory, and a
