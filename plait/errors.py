@@ -35,3 +35,7 @@ class PipelineError(PlaitError):
 
 class ExportError(PlaitError):
     """An exported model file that cannot be written or read back."""
+
+
+class RunInUseError(PlaitError):
+    """A run directory that another `plait train` holds (a second run, or a second resume, on it)."""
