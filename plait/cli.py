@@ -1,6 +1,6 @@
 """The `plait` command.
 
-plait train [CONFIG] [--section.key value ...] [--resume RUN_DIR]
+plait train [CONFIG] [--section.key value ...] [--resume RUN_DIR | RUN_DIR/checkpoints/step_N]
 plait export RUN_DIR [--out model.safetensors] [--step N] [--dtype fp32|bf16]
 plait estimate (--params N | --model NAME) [--dp N] [--zero-stage S] ... [--json]
 plait schedule --kind KIND --stages P --microbatches M [--virtual-stages V] [--costs F,B,W] [--comm C]
@@ -24,7 +24,9 @@ USAGE = """plait train [CONFIG.toml] [--section.key value ...] [--resume RUN_DIR
 
 Train a GPT on the configured mesh. CONFIG defaults to plait's built-in defaults; every key can
 be overridden on the command line, e.g. `plait train configs/default.toml --train.steps 50`.
---resume RUN_DIR continues the run in RUN_DIR from its latest checkpoint, with its config.
+--resume RUN_DIR continues the run in RUN_DIR from its latest checkpoint, with its config (from the
+newest one that verifies if `latest` is missing or damaged); --resume RUN_DIR/checkpoints/step_N
+continues from that one. One plait train at a time owns a run directory.
 `plait export RUN_DIR` writes a run's model as one safetensors file (plait export --help).
 Sizes are bounded (steps at most 1e9, dimensions, degrees and batches at most 2**20), and a job
 that does not fit in memory is refused before start (PLAIT_MEMORY_CHECK=0 skips that check):
@@ -59,15 +61,16 @@ def _train(argv: list[str]) -> int:
     if rest and not rest[0].startswith("--"):
         config_path, rest = rest[0], rest[1:]
     overrides = parse_overrides(rest)
+    checkpoint = None
     if resume_dir is not None:
         if config_path is not None:
             raise ConfigError(
                 "give either a CONFIG file or --resume RUN_DIR (which uses its own config.toml)"
             )
-        run_config = Path(resume_dir) / "config.toml"
-        if not run_config.is_file():
-            raise ConfigError(f"--resume {resume_dir}: no config.toml there; is it a plait run directory?")
-        config_path = run_config
+        from plait.train.rundir import resume_target
+
+        resume_dir, checkpoint = resume_target(resume_dir)  # a run directory, or one of its checkpoints
+        config_path = Path(resume_dir) / "config.toml"
         changed = [
             k
             for k, _ in overrides
@@ -85,7 +88,7 @@ def _train(argv: list[str]) -> int:
     cfg = load_config(config_path, overrides)
     from plait.train.launch import launch
 
-    return launch(cfg, resume=resume_dir is not None)
+    return launch(cfg, resume=resume_dir is not None, checkpoint=checkpoint)
 
 
 # Checkpoints are saved layout-free (plait.zero.state): a run may resume on another dp degree,

@@ -43,3 +43,7 @@ class DivergedError(PlaitError):
 
 class ReplicaMismatchError(PlaitError):
     """Tensors that must be identical on several ranks differ (train.replica_check_every)."""
+
+
+class RunInUseError(PlaitError):
+    """A run directory that another `plait train` holds (a second run, or a second resume, on it)."""

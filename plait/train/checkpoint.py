@@ -4,12 +4,15 @@ Layout under `<run_dir>/checkpoints/`:
 
     step_00000100/          one DCP checkpoint (.metadata + per-rank .distcp files)
         MANIFEST.json       step, world size and the SHA-256 and size of every file
-    latest                  the name of the newest complete checkpoint
+    latest                  the name of the newest complete checkpoint (on resume: the one the
+                            resumed run started from, until it saves its own)
 
 A save writes into `step_N.tmp/`, and only when every rank has finished does rank 0 write the
 manifest and rename the directory, then replace `latest` (write-then-rename): a crash at any
 point mid-save leaves the previous checkpoint and `latest` untouched. A load checks the manifest
 before DCP reads anything, so a truncated or corrupted file is reported as such, with its name.
+`choose_checkpoint` picks what `--resume` loads: the one asked for, else `latest`, else (when
+`latest` is missing or damaged) the newest checkpoint that verifies.
 
 What is saved: the model and optimizer in the layout-free form of `plait.zero.state` (each
 parameter and optimizer state as a 1-D tensor keyed by parameter name; under ZeRO each rank
@@ -24,6 +27,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -141,7 +145,7 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_atomic(root / LATEST, final.name)
-        _prune(root, keep)
+        _prune(root, keep, step)
     comm.barrier(mesh)
     return final
 
@@ -156,14 +160,38 @@ def _all_finite(state: dict, mesh: Mesh) -> bool:
     return comm.all_reduce_scalar(float(ok), mesh, ("world",), op="min") == 1.0
 
 
-def _prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` checkpoints (by save time); never the one `latest` names."""
+def _prune(root: Path, keep: int, saved: int) -> None:
+    """Keep the `keep` newest checkpoints up to step `saved` (the one just saved); never the one
+    `latest` names. Checkpoints of later steps than `saved` were left by a continuation that a
+    resume from an earlier checkpoint abandoned: they go too, so the directory holds one line of
+    history and the newest checkpoint is the highest step. The checkpoint a resumed run started
+    from is `latest` until the run saves its own (`choose_checkpoint`, then `set_latest`), so it
+    is never pruned before a newer one exists."""
     latest = (root / LATEST).read_text().strip() if (root / LATEST).exists() else None
-    done = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")]
-    done.sort(key=lambda p: (p / MANIFEST).stat().st_mtime if (p / MANIFEST).exists() else 0.0)
-    for old in done[:-keep]:
+    done = step_checkpoints(root)
+    stale = [p for p in done if checkpoint_step(p) > saved]
+    kept = [p for p in done if checkpoint_step(p) <= saved]
+    for old in stale + kept[:-keep]:
         if old.name != latest:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """The step of a checkpoint directory `step_N` (None for any other name, `.tmp` included)."""
+    m = re.fullmatch(r"step_(\d+)", Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def step_checkpoints(root: str | Path) -> list[Path]:
+    """The checkpoint directories under `root` (saved or damaged, not `.tmp`), by step."""
+    root = Path(root)
+    found = [p for p in root.glob("step_*") if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=checkpoint_step)
+
+
+def set_latest(root: str | Path, path: str | Path) -> None:
+    """Make `latest` name the checkpoint `path` (atomically)."""
+    _write_atomic(Path(root) / LATEST, Path(path).name)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -177,6 +205,55 @@ def latest_checkpoint(root: str | Path) -> Path | None:
             f"{pointer} names {path.name}, which does not exist: the checkpoint was removed"
         )
     return path
+
+
+def choose_checkpoint(root: str | Path, asked: str | Path | None = None) -> tuple[Path, str | None]:
+    """The checkpoint `--resume` loads, verified, and a line saying why when it is not simply
+    `latest`: `asked` if given (a damaged one raises, naming the file); else the one `latest`
+    names; else, when `latest` is missing, names nothing that exists or fails its check, the
+    newest checkpoint (highest step) that verifies. Raises CheckpointError when none does."""
+    root = Path(root)
+    pointer = root / LATEST
+    latest = pointer.read_text().strip() if pointer.is_file() else None
+    if asked is not None:
+        asked = Path(asked)
+        if not asked.is_dir() and (step := checkpoint_step(asked)) is not None:
+            asked = _step_dir(asked.parent, step)  # step_25 for step_00000025
+        if not asked.is_dir():
+            have = ", ".join(p.name for p in step_checkpoints(root)) or "none"
+            raise CheckpointError(f"--resume: no checkpoint {asked}; {root} holds: {have}")
+        verify_checkpoint(asked)
+        note = f"plait: resuming from {asked.name}, as asked"
+        if latest and latest != asked.name:
+            note += (
+                f" (the latest was {latest}; checkpoints after step {checkpoint_step(asked)} are "
+                "removed when this run saves its first)"
+            )
+        return asked, note
+    if latest is None:
+        why = f"{pointer} is missing"
+    elif not (root / latest).is_dir():
+        why = f"{pointer} names {latest}, which does not exist"
+    else:
+        try:
+            verify_checkpoint(root / latest)
+            return root / latest, None
+        except CheckpointError as exc:
+            why = str(exc)
+    damaged = []
+    for path in reversed(step_checkpoints(root)):
+        if path.name == latest:
+            continue
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            damaged.append(str(exc))
+            continue
+        skipped = f" ({len(damaged)} newer one(s) failed too: {'; '.join(damaged)})" if damaged else ""
+        return path, f"plait: {why}; resuming from {path.name}, the newest checkpoint that verifies{skipped}"
+    if latest is None and not damaged:
+        raise CheckpointError(f"--resume: {root} holds no checkpoint to resume from")
+    raise CheckpointError(f"--resume: no checkpoint in {root} verifies: {'; '.join([why, *damaged])}")
 
 
 def verify_checkpoint(path: str | Path) -> dict:

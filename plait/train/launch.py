@@ -10,12 +10,13 @@
   the root cause.
 * Signals: SIGTERM (a scheduler's pre-emption) makes every rank finish its step, save a
   checkpoint and exit with 143; Ctrl-C (SIGINT) stops with 130, one line, no traceback.
+
+Before any rank trains, the run's owner claims its directory (`plait.train.rundir`): this
+process, or global rank 0's under an outer launcher.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import logging
 import os
 import signal
@@ -31,23 +32,11 @@ from plait.errors import ConfigError
 from plait.testing import free_port
 from plait.train.config import Config
 from plait.train.peak import peak_flops_per_rank
+from plait.train.rundir import claim_run, hold_run_dir
 
 
 def _under_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def resolve_run_dir(cfg: Config) -> Config:
-    """Fix the run directory before the ranks start, so that all of them agree on it."""
-    if cfg.train.run_dir:
-        return cfg
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path, n = Path("runs") / stamp, 1
-    while path.exists():  # two runs started in the same second
-        n += 1
-        path = Path("runs") / f"{stamp}-{n}"
-    train = dataclasses.replace(cfg.train, run_dir=str(path))
-    return dataclasses.replace(cfg, train=train)
 
 
 def _threads_per_rank(world: int) -> int:
@@ -84,8 +73,9 @@ def _interrupt_once(signum, frame):
 INTERRUPTED_EXIT = 130  # 128 + SIGINT
 
 
-def launch(cfg: Config, resume: bool = False) -> int:
-    """Run the configured job; returns the process exit code (0 on success)."""
+def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = None) -> int:
+    """Run the configured job; returns the process exit code (0 on success). `checkpoint`: the
+    one to resume from (default: `latest`, or the newest that verifies)."""
     world = cfg.world_size
     if _under_launcher():
         actual = int(os.environ["WORLD_SIZE"])
@@ -97,23 +87,26 @@ def launch(cfg: Config, resume: bool = False) -> int:
             )
         from plait.train.loop import run
 
-        run(cfg, resume=resume, restart=_restart_count())
+        restart = _restart_count()
+        if os.environ.get("RANK", "0") != "0":  # rank 0 owns the run; the others take its directory
+            run(cfg, resume=resume, restart=restart)
+            return 0
+        if restart and cfg.train.run_dir:  # torchrun restarted the job: the run is ours again
+            held = hold_run_dir(cfg.train.run_dir)
+        else:
+            cfg, held = claim_run(cfg, resume, checkpoint)
+        with held:
+            run(cfg, resume=resume, restart=restart)
         return 0
 
-    cfg = resolve_run_dir(cfg)
-    if not resume:
-        from plait.train.loop import check_fresh_run_dir
+    # the run directory, its lock and (on resume) its checkpoint, before any rank starts
+    cfg, held = claim_run(cfg, resume, checkpoint)
+    with held:
+        return _launch_here(cfg, world, resume)
 
-        check_fresh_run_dir(Path(cfg.train.run_dir))
-    if resume:  # a missing or damaged checkpoint is reported here, before any rank starts
-        from plait.errors import CheckpointError
-        from plait.train.checkpoint import latest_checkpoint, verify_checkpoint
 
-        root = Path(cfg.train.run_dir) / "checkpoints"
-        found = latest_checkpoint(root)
-        if found is None:
-            raise CheckpointError(f"--resume: {root} holds no checkpoint to resume from")
-        verify_checkpoint(found)
+def _launch_here(cfg: Config, world: int, resume: bool) -> int:
+    """Start the ranks on this machine (one: in this process) and wait for them."""
     use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")

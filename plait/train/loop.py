@@ -38,6 +38,7 @@ from plait.train.config import Config, model_config
 from plait.train.metrics import MetricsWriter, peak_memory_bytes, plot_loss_curve, read_metrics
 from plait.train.peak import peak_flops_per_rank
 from plait.train.replicas import check_replicas
+from plait.train.rundir import create_run_dir
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -168,12 +169,14 @@ def check_fresh_run_dir(run_dir: Path) -> None:
 
 
 def _agreed_run_dir(cfg: Config, mesh: Mesh) -> Path:
-    """The configured run directory, or runs/<rank 0's start time> agreed by every rank."""
-    if cfg.train.run_dir:
-        return Path(cfg.train.run_dir)
-    stamp = torch.tensor([int(time.time())], dtype=torch.int64, device=mesh.device)
-    comm.broadcast(stamp, mesh, "world")
-    return Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.localtime(int(stamp)))
+    """Rank 0's run directory, which every rank takes: under an outer launcher (torchrun) rank 0's
+    process created and locked it (plait.train.rundir) and the others' configs name none."""
+    name = torch.zeros(4096, dtype=torch.uint8, device=mesh.device)  # PATH_MAX bytes
+    if mesh.is_rank0:
+        raw = os.fsencode(cfg.train.run_dir or create_run_dir())  # none: run() called directly
+        name[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    comm.broadcast(name, mesh, "world")
+    return Path(os.fsdecode(bytes(name.cpu().tolist()).rstrip(b"\0")))
 
 
 @dataclasses.dataclass
