@@ -40,7 +40,7 @@ STAMP = "20300101-120000"  # the one clock reading of the two launches of the sa
 PAUSE = "PLAIT_TEST_PAUSE"  # STEP:FLAG: rank 0 writes FLAG.paused at STEP and waits for FLAG.go
 
 
-def pause_hook(step: int, rank: int, cfg) -> None:
+def pause_hook(step: int, rank: int, cfg, engine=None) -> None:
     """PLAIT_STEP_HOOK for these tests: hold the run at a step, so a second launch meets it."""
     at, flag = os.environ[PAUSE].split(":", 1)
     if rank != 0 or step != int(at):
