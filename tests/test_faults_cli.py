@@ -63,9 +63,9 @@ def test_an_unwritable_run_dir_is_refused_before_any_rank_starts(tmp_path, capsy
         assert "train.run_dir" in err and str(run_dir) in err and "choose another" in err, err
         assert all(w in err for w in words), err
     assert started == []
-    # A writable one passes, and the check leaves nothing behind: the launcher creates it.
+    # A writable one passes: the launcher creates it (and its lock) before the ranks start.
     assert main(["train", "--train.run_dir", str(tmp_path / "new" / "run"), *FAST]) == 0
-    assert started == ["spawned"] and not (tmp_path / "new").exists()
+    assert started == ["spawned"] and [p.name for p in (tmp_path / "new" / "run").iterdir()] == ["run.lock"]
 
 
 def test_sizes_are_bounded(tmp_path, capsys, started):

@@ -100,6 +100,10 @@ def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = No
         return 0
 
     # the run directory, its lock and (on resume) its checkpoint, before any rank starts
+    if cfg.train.run_dir:  # a clear refusal for a directory that cannot be made or written
+        from plait.train.preflight import check_run_dir
+
+        check_run_dir(cfg.train.run_dir)
     cfg, held = claim_run(cfg, resume, checkpoint)
     with held:
         return _launch_here(cfg, world, resume)

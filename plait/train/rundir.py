@@ -151,7 +151,8 @@ def claim_run(cfg, resume: bool, checkpoint: str | Path | None = None):
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(
-            f"train.run_dir {cfg.train.run_dir or 'runs/<timestamp>'}: cannot create it ({exc})"
+            f"train.run_dir {cfg.train.run_dir or 'runs/<timestamp>'}: cannot create it ({exc}); "
+            "choose another train.run_dir"
         ) from None
     lock = hold_run_dir(run_dir)
     try:
