@@ -147,5 +147,8 @@ def test_ctrl_c_stops_every_rank_with_130_and_one_line(tmp_path):
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130, err[-3000:]
-    assert err.strip() == "plait: interrupted", err[-3000:]
+    # plait's one line, and no traceback from the launcher or any rank (Python's own
+    # resource-tracker warning about the killed ranks' semaphores may follow on a loaded machine)
+    assert "plait: interrupted" in err.splitlines() and "Traceback" not in err, err[-3000:]
+    assert [line for line in err.splitlines() if line.startswith("plait")] == ["plait: interrupted"]
     assert 1 <= max(metrics(run)) < 1000
