@@ -142,13 +142,29 @@ def _on_sigterm(signum, frame) -> None:
     """SIGTERM (a scheduler's pre-emption, or the launcher passing it on): finish the step in
     flight, save a checkpoint and exit with PREEMPTED_EXIT (`_train`). A rank that cannot get
     there (blocked on a dead peer) exits anyway after PREEMPT_GRACE_S, or at a second SIGTERM,
-    so that nothing waits on it forever; the previous checkpoint is then the newest."""
-    if _STOP["signal"]:
+    so that nothing waits on it forever; the previous checkpoint is then the newest. When a
+    peer rank has already failed, the SIGTERM is the launcher tearing the job down, not a
+    pre-emption: no checkpoint can be saved without that peer, so the rank exits at once."""
+    if _STOP["signal"] or _peer_failed():
         os._exit(PREEMPTED_EXIT)
     _STOP["signal"] = signum
     _STOP["timer"] = timer = threading.Timer(PREEMPT_GRACE_S, os._exit, args=(PREEMPTED_EXIT,))
     timer.daemon = True
     timer.start()
+
+
+def _peer_failed() -> bool:
+    """Whether another rank of this job on this machine has failed: torch's elastic agent gives
+    each rank an error file in one directory per attempt, written by a rank that raises (and
+    by the watchdog) before it exits."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    mine = Path(path)
+    try:
+        return any(f != mine for f in mine.parent.parent.glob("*/error.json"))
+    except OSError:
+        return False
 
 
 class Preempted(SystemExit):
