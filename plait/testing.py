@@ -104,12 +104,16 @@ def run_ranks(
     that failed, with its traceback, as soon as one fails (after `grace` seconds for the others
     to report their own errors), or when `timeout` seconds pass.
     """
-    ctx = mp.get_context("spawn")
+    # Ranks fork from a server that imported torch and plait once (spawn would import them in
+    # every rank: seconds per call); each gets this process's environment of now.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "plait"])
+    env = {**os.environ, **(env or {})}
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="plait-ranks-") as tmp:
         workdir = Path(tmp)
         procs = [
-            ctx.Process(target=_child, args=(fn, r, world_size, port, tmp, tuple(args), dict(env or {})))
+            ctx.Process(target=_child, args=(fn, r, world_size, port, tmp, tuple(args), env))
             for r in range(world_size)
         ]
         for p in procs:
@@ -317,7 +321,7 @@ def inject_fault(step: int, rank: int, cfg, engine=None) -> None:
     elif mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif mode == "sigterm":
-        os.kill(os.getppid(), signal.SIGTERM)
+        os.kill(int(os.environ.get("PLAIT_LAUNCHER_PID", os.getppid())), signal.SIGTERM)
     elif mode == "perturb":
         from plait.train.replicas import held_parameters
 

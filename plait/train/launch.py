@@ -18,6 +18,7 @@ process, or global rank 0's under an outer launcher.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -51,11 +52,14 @@ def _restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def _worker(cfg_dict: dict, resume: bool, peak: float | None) -> dict:
-    """Entry point of each spawned rank (elastic_launch records its exception in the error file)."""
+def _worker(cfg_dict: dict, resume: bool, peak: float | None, env: dict[str, str]) -> dict:
+    """Entry point of each rank (elastic_launch records its exception in the error file). A
+    rank is forked from a server process started at the first launch, so it gets the launching
+    process's environment of now (`env`) on top of the agent's per-rank variables."""
     from plait.train.config import config_from_dict
     from plait.train.loop import run
 
+    os.environ.update(env)  # the launcher runs unlaunched: no rank variables of its own to clash
     signal.signal(signal.SIGINT, _interrupt_once)
     try:
         return run(config_from_dict(cfg_dict), resume=resume, peak_flops=peak, restart=_restart_count())
@@ -71,6 +75,7 @@ def _interrupt_once(signum, frame):
 
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT
+LAUNCHER_PID_ENV = "PLAIT_LAUNCHER_PID"  # the process that started the ranks (and got their signals)
 
 
 def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = None) -> int:
@@ -155,6 +160,11 @@ def _launch_here(cfg: Config, world: int, resume: bool) -> int:
     # read the old group's addresses and fail to connect (pytorch/pytorch#135712). Each
     # attempt's rank 0 then hosts a store of its own on a fresh port.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # a rank's parent is the fork server
+    # Ranks are forked from one server process that imported torch and the trainer once,
+    # instead of each rank importing them again (spawn): seconds per launch and restart. The
+    # server is a fresh interpreter that never touched CUDA, so forking from it is safe on GPUs.
+    multiprocessing.set_forkserver_preload(["torch", "plait.train.loop"])
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -164,7 +174,7 @@ def _launch_here(cfg: Config, world: int, resume: bool) -> int:
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=cfg.train.max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="forkserver",
     )
     # The agent logs every rank's traceback at ERROR level, and its shutdowns and restarts at
     # WARNING, each module's logger at its own level; plait prints the root cause once.
@@ -173,7 +183,7 @@ def _launch_here(cfg: Config, world: int, resume: bool) -> int:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     t0 = time.time()
     try:
-        elastic_launch(lc, entrypoint=_worker)(cfg.to_dict(), resume, peak)
+        elastic_launch(lc, entrypoint=_worker)(cfg.to_dict(), resume, peak, dict(os.environ))
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
         if codes == {PREEMPTED_EXIT}:  # the ranks themselves got SIGTERM and saved
@@ -209,23 +219,50 @@ _PLAIT_ERRORS = {
 }
 
 
+_STILL_RUNNING = -1  # the exit code given to a rank that had written its error but not yet exited
+
+
+def _with_reports_on_disk(failures: dict) -> dict:
+    """The agent reports the first rank to exit; a rank that raised first may still be winding
+    down while a peer, dying in a collective with it, exits before it. Every rank of the
+    attempt that wrote an error file is a candidate for the root cause (local rank = rank: one
+    machine)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    found = dict(failures)
+    for failure in failures.values():
+        for path in Path(failure.error_file).parent.parent.glob("*/error.json"):
+            rank = int(path.parent.name) if path.parent.name.isdigit() else None
+            if rank is not None and rank not in found:
+                found[rank] = ProcessFailure(rank, 0, _STILL_RUNNING, str(path))
+    return found
+
+
+def _written_at(failure) -> tuple[int, int]:
+    """When a rank wrote its error file: the file's time in ns (the timestamp inside it has
+    whole seconds, and a peer dying in a collective often fails within the same second)."""
+    try:
+        return failure.timestamp, os.stat(failure.error_file).st_mtime_ns
+    except (OSError, TypeError):
+        return failure.timestamp, 0
+
+
 def format_child_failure(exc, elapsed: float) -> str:
     """The first failing rank's own traceback, then one line for each other rank."""
     # The root cause is the earliest failure that left a traceback; ranks stopped by the agent
     # after it (or dying in a collective with it) come after.
-    reported = {r: f for r, f in exc.failures.items() if isinstance(f.message, dict)}
-    root = min(reported, key=lambda r: reported[r].timestamp) if reported else exc.get_first_failure()[0]
-    failure = exc.failures[root]
-    lines = [
-        f"\nplait: rank {root} failed after {elapsed:.1f}s (exit code {failure.exitcode}); "
-        f"the job was stopped. Its error:\n"
-    ]
+    failures = _with_reports_on_disk(exc.failures)
+    reported = {r: f for r, f in failures.items() if isinstance(f.message, dict)}
+    root = min(reported, key=lambda r: _written_at(reported[r])) if reported else exc.get_first_failure()[0]
+    failure = failures[root]
+    code = f" (exit code {failure.exitcode})" if failure.exitcode != _STILL_RUNNING else ""
+    lines = [f"\nplait: rank {root} failed after {elapsed:.1f}s{code}; the job was stopped. Its error:\n"]
     msg = failure.message
     if isinstance(msg, dict) and msg.get("message", "").startswith(WATCHDOG_PREFIX):
         # The rank printed its watchdog report itself: say where it is rather than print it twice.
         lines = [
-            f"\nplait: rank {root} failed after {elapsed:.1f}s (exit code {failure.exitcode}): the "
-            "watchdog report above; the job was stopped."
+            f"\nplait: rank {root} failed after {elapsed:.1f}s{code}: the watchdog report above; "
+            "the job was stopped."
         ]
     elif isinstance(msg, dict):
         text = msg.get("message", "")
