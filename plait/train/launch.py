@@ -76,6 +76,10 @@ INTERRUPTED_EXIT = 130  # 128 + SIGINT
 def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = None) -> int:
     """Run the configured job; returns the process exit code (0 on success). `checkpoint`: the
     one to resume from (default: `latest`, or the newest that verifies)."""
+    if cfg.ps.servers:  # servers and workers as separate processes (plait.async_training)
+        from plait.async_training.ps_launch import launch_ps
+
+        return launch_ps(cfg, resume=resume)
     world = cfg.world_size
     if _under_launcher():
         actual = int(os.environ["WORLD_SIZE"])
