@@ -58,10 +58,10 @@ def _store(port: int, timeout_s: float):
 def _server_entry(cfg_dict: dict, index: int, store_port: int, rpc_port: int, run_dir: str, start: int):
     from plait.async_training import param_server as ps
     from plait.models import GPT
-    from plait.train.config import config_from_dict, model_config
+    from plait.train.config import model_config
 
     _child_env()
-    cfg = config_from_dict(cfg_dict)
+    cfg = _config(cfg_dict)
     store = _store(store_port, cfg.comm.timeout_s)
     torch.manual_seed(cfg.train.seed)  # the workers' initialisation: this range of it
     params = list(GPT(model_config(cfg)).parameters())
@@ -79,17 +79,31 @@ def _server_entry(cfg_dict: dict, index: int, store_port: int, rpc_port: int, ru
 
 def _worker_entry(cfg_dict: dict, w: int, store_port: int, rpc_port: int, run_dir: str, start: int):
     from plait.async_training.ps_worker import work
-    from plait.train.config import config_from_dict
 
     _child_env()
-    cfg = config_from_dict(cfg_dict)
+    cfg = _config(cfg_dict)
     store = _store(store_port, cfg.comm.timeout_s)
     world = cfg.ps.servers + cfg.parallel.dp
     _rpc_init(f"worker{w}", cfg.ps.servers + w, world, rpc_port, cfg.comm.timeout_s)
-    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", w % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", w % torch.cuda.device_count()) if _uses_cuda(cfg) else torch.device("cpu")
     work(cfg, w, store, Path(run_dir), start, device)
     _leave()
+
+
+def _uses_cuda(cfg) -> bool:
+    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+
+
+def _config(cfg_dict: dict):
+    """The launcher's configuration, validated there already (again here would load the corpus
+    in every process)."""
+    from plait.train.config import Config, set_key
+
+    cfg = Config()
+    for section, values in cfg_dict.items():
+        for key, value in values.items():
+            set_key(cfg, section, key, value, from_cli=False)
+    return cfg
 
 
 def _leave() -> None:
@@ -146,18 +160,23 @@ def launch_ps(cfg, resume: bool = False) -> int:
         (run_dir / "ps").mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml())
         truncate_logs(run_dir, start)
-        port = free_port()
-        store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-        rpc_port = free_port()
+        port, rpc_port = free_port(), free_port()
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # TensorPipe's notes on closed peers
-        ctx = torch.multiprocessing.get_context("spawn")
+        # On the CPU the children are forked from this process, which has imported torch and
+        # plait and started no thread yet (the store comes after): a spawn would import torch
+        # again in each, seconds apiece. CUDA cannot be forked into: spawn there.
+        ctx = torch.multiprocessing.get_context("spawn" if _uses_cuda(cfg) else "fork")
         args = (cfg.to_dict(), port, rpc_port, str(run_dir), start)
         procs = {}
         for s in range(cfg.ps.servers):
-            procs[("server", s)] = ctx.Process(target=_server_entry, args=(args[0], s, *args[1:]), daemon=True)
+            procs[("server", s)] = ctx.Process(
+                target=_server_entry, args=(args[0], s, *args[1:]), daemon=True
+            )
         for w in range(cfg.parallel.dp):
-            procs[("worker", w)] = ctx.Process(target=_worker_entry, args=(args[0], w, *args[1:]), daemon=True)
+            procs[("worker", w)] = ctx.Process(
+                target=_worker_entry, args=(args[0], w, *args[1:]), daemon=True
+            )
         print(
             f"plait: parameter server: {cfg.ps.servers} server(s), {cfg.parallel.dp} worker(s), "
             f"{cfg.ps.consistency}"
@@ -169,6 +188,7 @@ def launch_ps(cfg, resume: bool = False) -> int:
         t0 = time.time()
         for p in procs.values():
             p.start()
+        store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
         try:
             code, dead = _watch(cfg, procs, store)
         except KeyboardInterrupt:

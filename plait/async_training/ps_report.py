@@ -37,7 +37,9 @@ def truncate_logs(run_dir: Path, clock: int) -> None:
     """On resume, drop what was logged after the checkpoint's clock (it is done again)."""
     for path in list((run_dir / "ps").glob("*.jsonl")) + [run_dir / "metrics.jsonl"]:
         if path.exists():
-            kept = [r for r in _read(path) if r.get("step", r.get("clock", 0)) <= clock and "discarded" not in r]
+            kept = [
+                r for r in _read(path) if r.get("step", r.get("clock", 0)) <= clock and "discarded" not in r
+            ]
             path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
@@ -162,8 +164,11 @@ def finish_run(cfg, run_dir: Path, start: int, dead: list[int], elapsed: float, 
     if dead:
         print(f"plait: dead workers: {dead} (the run went on without them)", flush=True)
     if stale:
-        print(f"plait: staleness of {len(stale)} pushes: mean {summary['staleness_mean']:.2f}, max "
-              f"{summary['staleness_max']} (staleness.png)", flush=True)
+        print(
+            f"plait: staleness of {len(stale)} pushes: mean {summary['staleness_mean']:.2f}, max "
+            f"{summary['staleness_max']} (staleness.png)",
+            flush=True,
+        )
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"run dir: {run_dir} (metrics.jsonl, loss.png, staleness.png, ps_checkpoints/)", flush=True)
     return summary

@@ -162,7 +162,9 @@ def work(cfg, w: int, store, run_dir: Path, start: int, device: torch.device) ->
             )
         if w == 0 and t.eval_every and clock % t.eval_every == 0 and clock != t.steps:
             record["val_loss"] = evaluate(model, val, device)  # on the parameters it pulled
-            print(f"step {clock:>5}/{t.steps} | held-out loss {record['val_loss']:.4f} (worker 0)", flush=True)
+            print(
+                f"step {clock:>5}/{t.steps} | held-out loss {record['val_loss']:.4f} (worker 0)", flush=True
+            )
         out.write(json.dumps(record) + "\n")
     out.close()
     store.set(f"ps/done/{w}", "1")

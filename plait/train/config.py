@@ -178,7 +178,9 @@ class PsConfig:
     """Parameter server (plait.async_training; Li et al. 2014): servers own key ranges of the
     parameters and apply the optimizer, parallel.dp workers push gradients and pull parameters."""
 
-    servers: int = _f(0, "server processes, each owning a key range of the parameters (0 = no parameter server)")
+    servers: int = _f(
+        0, "server processes, each owning a key range of the parameters (0 = no parameter server)"
+    )
     consistency: str = _f(
         "bsp", "bsp (every worker's clock c before any reads c+1), ssp (bounded staleness), async (Downpour)"
     )
