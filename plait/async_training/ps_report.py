@@ -60,6 +60,7 @@ def step_records(cfg, run_dir: Path) -> list[dict]:
         elif "grad_norm" in r:
             norms[r["clock"]] = r["grad_norm"]
     ends = {c: max(r["t"] for r in rs) for c, rs in by_step.items()}
+    t_start = min((r["t"] - r["step_s"] for rs in by_step.values() for r in rs), default=0.0)
     out = []
     for c in sorted(by_step):
         rs = sorted(by_step[c], key=lambda r: r["worker"])
@@ -80,9 +81,11 @@ def step_records(cfg, run_dir: Path) -> list[dict]:
             "push_bytes": sum(r["push_bytes"] for r in rs),
             "pull_bytes": sum(r["pull_bytes"] for r in rs),
             "step_time_s": max(r["step_s"] for r in rs),
+            "wall_s": ends[c] - t_start,  # since the first clock began (of this invocation)
         }
-        if any("val_loss" in r for r in rs):
-            record["val_loss"] = next(r["val_loss"] for r in rs if "val_loss" in r)
+        for r in rs:
+            if "val_loss" in r:  # worker 0's, on the parameters it pulled for this clock
+                record["val_loss"], record["val_wall_s"] = r["val_loss"], r["t"] - t_start
         out.append(record)
     return out
 
