@@ -146,7 +146,8 @@ def main() -> None:
         f"- load average at end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
         f"- Runtime: {time.perf_counter() - t_start:.0f} s",
         f"- Job: GPT `{a.model}`, global batch {a.batch}, {a.workers} workers (dp ranks), "
-        f"{a.servers} server(s), {a.steps} clocks, AdamW with clipping at 1.0 (on the servers for the parameter-server setups).",
+        f"{a.servers} server(s), {a.steps} clocks, AdamW with clipping at 1.0 (on the servers for "
+        "the parameter-server setups).",
         f"- Worker 1 sleeps {compute * 1e3:.0f} ms per clock (the median clock of a probe run): "
         "about 2x slower.",
         f"- Target: the worst final held-out loss, {target:.4f}; times count from the first step.",
