@@ -8,7 +8,8 @@ seconds of start-up around a short training); the tests read their run directori
   clipping (the servers exchange their partial norms); ssp with staleness 0 is bsp exactly;
 * ssp (τ=1) with a slowed worker never logs a staleness above τ, and a worker killed mid-push
   (after its part reached server 0, before its commit) leaves nothing applied on either server;
-  async goes on the same way and its loss decreases; under bsp a killed worker stops the job;
+  async goes on the same way and its loss decreases; under bsp a killed worker stops the job, and
+  a killed server stops it under any consistency model;
 * a bsp run stopped at step 4 and resumed from the servers' checkpoint continues the loss curve
   of the uninterrupted run;
 * bad [ps] settings are refused before any process starts, in one line naming the key.
@@ -57,6 +58,8 @@ def runs(tmp_path_factory):
             (*DP2, *_ps(1, "bsp")),
             {**SLOW, "PLAIT_FAIL_AT": "1:3:kill"},
         ),
+        # server 1 dies after applying clock 5 (its checkpoint of clock 4 is on disk)
+        "server_kill": ((*DP2, *_ps(2, "ssp")), {"PLAIT_PS_KILL_SERVER": "1:5"}),
     }
     jobs = {
         name: functools.partial(_timed, *args, "--train.run_dir", str(root / name), env=env)
@@ -174,6 +177,16 @@ def test_bsp_stops_when_a_worker_dies(runs):
     assert r.returncode == 1
     line = [x for x in r.stderr.splitlines() if x.startswith("plait:")]
     assert len(line) == 1 and "worker 1" in line[0] and "'bsp'" in line[0], r.stderr
+
+
+def test_a_dead_server_stops_the_job_with_a_clear_message(runs):
+    root, done = runs
+    r = done["server_kill"]
+    assert r.returncode == 1
+    line = [x for x in r.stderr.splitlines() if x.startswith("plait:")]
+    assert len(line) == 1, r.stderr
+    assert "parameter server 1" in line[0] and "SIGKILL" in line[0] and "--resume" in line[0]
+    assert (root / "server_kill" / "ps_checkpoints" / "step_4" / "server1.pt").is_file()
 
 
 def test_resume_from_the_server_checkpoint_continues_the_loss_curve(runs):

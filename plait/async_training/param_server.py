@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -188,6 +189,8 @@ class Shard:
         if norm is not None and self.index == 0:
             self.log.write(json.dumps({"clock": clock, "grad_norm": norm}) + "\n")
         self.updates += 1
+        if os.environ.get("PLAIT_PS_KILL_SERVER") == f"{self.index}:{clock}":  # the failure tests
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _global_norm(self, clock: int, grads: list[torch.Tensor]) -> float:
         """The norm of the whole mean gradient: each server's sum of squares, exchanged through
