@@ -128,6 +128,15 @@ def resume_clock(run_dir: Path, servers: int) -> int:
     ]
     if not whole:
         raise CheckpointError(f"--resume: {root} holds no complete parameter-server checkpoint")
+    step = root / f"step_{max(whole)}"
+    saved = len(list(step.glob("server*.pt")))
+    if saved != servers:
+        from plait.errors import ConfigError
+
+        raise ConfigError(
+            f"--resume: {step} holds {saved} server shards (key ranges) and ps.servers = {servers}; "
+            f"resume with --ps.servers {saved}"
+        )
     return max(whole)
 
 
