@@ -5,7 +5,8 @@ What is measured (each setup one `plait train` run on this machine's CPU, one th
 
 * **Job.** The plait GPT (`--model`, default "small": 4 layers, d_model 128, 0.84M parameters)
   on the embedded corpus, global batch `--batch` sequences split over `--workers` workers
-  (data-parallel ranks for `dp`), `--steps` clocks (steps), AdamW (lr 3e-3, warm-up 10, cosine),
+  (data-parallel ranks for `dp`), `--steps` clocks (steps), AdamW (`--lr`, default 3e-3, and a
+  tenth of it at the end; warm-up 10, cosine),
   global-norm clipping at 1.0. Parameter-server setups: `--servers` servers, server optimizer
   AdamW (the trainer's), so bsp computes what `dp` computes.
 * **The slow worker.** Worker (rank) 1 sleeps, every clock, as long as one clock of computation
@@ -76,6 +77,8 @@ def main() -> None:
     ap.add_argument("--servers", type=int, default=1)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--taus", default="1,2,4,8")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--out", default="ps", help="results/OUT.md and results/OUT_loss.png")
     a = ap.parse_args()
     info = machine_info()
     t_start = time.perf_counter()
@@ -85,7 +88,7 @@ def main() -> None:
         "--train.eval_every", str(a.eval_every),
         "--train.eval_batches", "4", "--train.log_every", "10", "--train.checkpoint_every", "0",
         "--train.sample_tokens", "0", "--train.progress", "false", "--train.replica_check_every", "0",
-        "--train.peak_tflops", "1",
+        "--train.peak_tflops", "1", "--train.lr", str(a.lr), "--train.min_lr", str(a.lr / 10),
     ]  # fmt: skip
     ps = ["--ps.servers", str(a.servers)]
     setups = {"bsp": [*ps, "--ps.consistency", "bsp"]}
@@ -130,7 +133,7 @@ def main() -> None:
             str(summary["staleness_max"]) if is_ps else "-",
             f"{statistics.median(rates):.1f}" if rates else "-",
         ])  # fmt: skip
-    _plot(curves, target, OUT / "ps_loss.png", a)
+    _plot(curves, target, OUT / f"{a.out}_loss.png", a)
     headers = [
         "setup", f"s to held-out {target:.3f}", "final held-out loss", "training s", "staleness mean",
         "staleness max", "pushes/s",
@@ -146,18 +149,18 @@ def main() -> None:
         f"- load average at end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
         f"- Runtime: {time.perf_counter() - t_start:.0f} s",
         f"- Job: GPT `{a.model}`, global batch {a.batch}, {a.workers} workers (dp ranks), "
-        f"{a.servers} server(s), {a.steps} clocks, AdamW with clipping at 1.0 (on the servers for "
-        "the parameter-server setups).",
+        f"{a.servers} server(s), {a.steps} clocks, AdamW (lr {a.lr:g}, min_lr {a.lr / 10:g}) "
+        "with clipping at 1.0 (on the servers for the parameter-server setups).",
         f"- Worker 1 sleeps {compute * 1e3:.0f} ms per clock (the median clock of a probe run): "
         "about 2x slower.",
         f"- Target: the worst final held-out loss, {target:.4f}; times count from the first step.",
         "",
         markdown_table(headers, rows),
         "",
-        "![held-out loss against time](ps_loss.png)",
+        f"![held-out loss against time]({a.out}_loss.png)",
         "",
     ]
-    (OUT / "ps.md").write_text("\n".join(lines))
+    (OUT / f"{a.out}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 

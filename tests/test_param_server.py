@@ -6,7 +6,8 @@ seconds of start-up around a short training); the tests read their run directori
 * bsp follows plait's synchronous data parallelism (dp=2) with the same optimizer, in losses and
   final parameters: 1 server with SGD without clipping, 2 servers with AdamW and global-norm
   clipping (the servers exchange their partial norms); ssp with staleness 0 is bsp exactly;
-* ssp (τ=1) with a slowed worker never logs a staleness above τ, and a worker killed mid-push
+* ssp (τ=1) with a slowed worker never logs a staleness above τ, and one process replaying it from
+  the versions each push recorded reproduces its losses and parameters; and a worker killed mid-push
   (after its part reached server 0, before its commit) leaves nothing applied on either server;
   async goes on the same way and its loss decreases; under bsp a killed worker stops the job, and
   a killed server stops it under any consistency model;
@@ -156,6 +157,76 @@ def test_ssp_bounds_staleness_and_survives_a_worker_killed_mid_push(runs):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["dead_workers"] == [1] and summary["staleness_max"] <= 1
     assert "dead workers: [1]" in runs[1]["ssp_kill"].stdout
+
+
+def test_ssp_run_is_the_replay_of_the_reads_it_recorded(runs):
+    """One process replays the ssp run with a dead worker from its logs alone: clock c's update
+    is the clipped mean of the gradients of the pushes server 0 applied at c, each computed on the
+    parameters of the versions that worker read from each server (a key range each). Every
+    logged loss and the final parameters follow."""
+    from plait.async_training.param_server import key_ranges
+    from plait.async_training.ps_report import _read
+    from plait.data import DistributedBatchSampler, load_corpus
+    from plait.models import GPT
+    from plait.optim import build_optimizer, param_groups
+    from plait.train.config import load_config, model_config
+    from plait.train.loop import lr_factor
+
+    run = _ok(runs, "ssp_kill")
+    cfg = load_config(run / "config.toml")
+    t, n = cfg.train, cfg.parallel.dp
+    mcfg = model_config(cfg)
+    corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers: the same summation order in the matmuls
+    try:
+        torch.manual_seed(t.seed)
+        server, worker = GPT(mcfg), GPT(mcfg)
+        sp, wp = list(server.parameters()), list(worker.parameters())
+        ranges = key_ranges([p.numel() for p in sp], cfg.ps.servers)
+        opt = build_optimizer(
+            "adamw", param_groups(server, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2)
+        )
+        samplers = [
+            DistributedBatchSampler(corpus.train, mcfg.seq_len, t.global_batch, w, n, t.seed)
+            for w in range(n)
+        ]
+        logs = [{r["step"]: r for r in _read(run / "ps" / f"worker{w}.jsonl")} for w in range(n)]
+        applied = {}
+        for r in _read(run / "ps" / "server0.jsonl"):
+            if "staleness" in r:
+                applied.setdefault(r["clock"], []).append(r["worker"])
+        history = [[p.detach().clone() for p in sp]]
+        tokens = t.global_batch * mcfg.seq_len // n
+        for clock in range(1, t.steps + 1):
+            grads = []
+            for w in sorted(applied[clock]):
+                versions = logs[w][clock]["versions"]
+                with torch.no_grad():
+                    for (lo, hi), v in zip(ranges, versions):
+                        for i in range(lo, hi):
+                            wp[i].copy_(history[v][i])
+                worker.zero_grad(set_to_none=True)
+                ((x, y),) = samplers[w].next_batch()
+                loss_sum = worker(x, y, reduction="sum")
+                (loss_sum / tokens).backward()
+                assert abs(float(loss_sum.detach()) / tokens - logs[w][clock]["loss"]) < 1e-6, (clock, w)
+                grads.append([p.grad.clone() for p in wp])
+            scale = 1.0 / len(grads)
+            mean = [sum(g[i] * scale for g in grads) for i in range(len(sp))]
+            norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in mean))
+            factor = min(1.0, t.grad_clip / (norm + 1e-6))
+            for p, g in zip(sp, mean):
+                p.grad = g * factor if factor < 1.0 else g
+            for group in opt.param_groups:
+                group["lr"] = t.lr * lr_factor(clock - 1, t.warmup_steps, t.steps, t.min_lr / t.lr)
+            opt.step()
+            history.append([p.detach().clone() for p in sp])
+    finally:
+        torch.set_num_threads(threads)
+    saved = list(_params_of_ps_run(run).values())
+    for i, (got, want) in enumerate(zip(saved, history[-1], strict=True)):
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), i
 
 
 def test_async_survives_a_killed_worker_and_its_loss_decreases(runs):
