@@ -6,11 +6,12 @@ seconds of start-up around a short training); the tests read their run directori
 * bsp follows plait's synchronous data parallelism (dp=2) with the same optimizer, in losses and
   final parameters: 1 server with SGD without clipping, 2 servers with AdamW and global-norm
   clipping (the servers exchange their partial norms); ssp with staleness 0 is bsp exactly;
-* ssp (τ=1) with a slowed worker never logs a staleness above τ, and one process replaying it from
-  the versions each push recorded reproduces its losses and parameters; and a worker killed mid-push
-  (after its part reached server 0, before its commit) leaves nothing applied on either server;
-  async goes on the same way and its loss decreases; under bsp a killed worker stops the job, and
-  a killed server stops it under any consistency model;
+* ssp (τ=1) with a slowed worker never logs a staleness above τ, and one process replaying it
+  from the versions each push recorded reproduces its losses and parameters; a worker killed
+  mid-push (after its part reached server 0, before its commit) leaves nothing applied on either
+  server; async (Adagrad on the servers, as Downpour) goes on the same way and its loss
+  decreases; under bsp a killed worker stops the job, and a killed server stops it under any
+  consistency model;
 * a bsp run stopped at step 4 and resumed from the servers' checkpoint continues the loss curve
   of the uninterrupted run;
 * bad [ps] settings are refused before any process starts, in one line naming the key.
@@ -28,6 +29,7 @@ from conftest import SGD, TINY, losses, metrics, plait_train, side_by_side
 from plait.cli import main
 
 DP2 = [*TINY, "--parallel.dp", "2", "--train.sample_tokens", "0"]
+ADAGRAD = ["--ps.server_optimizer", "adagrad", "--train.lr", "0.01"]  # Downpour's choice
 SLOW = {"PLAIT_STEP_HOOK": "plait.async_training.ps_worker:slow_hook"}
 
 
@@ -52,7 +54,7 @@ def runs(tmp_path_factory):
             {**SLOW, "PLAIT_PS_SLOW": "2:0.1", "PLAIT_PS_CUT": "1:3"},
         ),
         "async_kill": (
-            (*DP2, *three, *_ps(2, "async"), "--train.steps", "12", "--train.log_every", "6"),
+            (*DP2, *three, *_ps(2, "async", *ADAGRAD), "--train.steps", "12", "--train.log_every", "6"),
             {**SLOW, "PLAIT_PS_SLOW": "2:0.03", "PLAIT_PS_CUT": "1:4"},
         ),
         "bsp_kill": (

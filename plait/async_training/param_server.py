@@ -266,7 +266,7 @@ class Shard:
         return {
             "server": self.index,
             "updates": self.updates,
-            "applied_clock": self.applied_clock,
+            "applied_clock": self.applied_clock if self.tau is not None else None,  # async: no clocks
             "applied_by_worker": self.applied_by_worker,
             "discarded": self.discarded,
             "dead": sorted(self.dead),

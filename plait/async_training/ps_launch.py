@@ -198,14 +198,34 @@ def launch_ps(cfg, resume: bool = False) -> int:
         for p in procs.values():
             p.start()
         store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             code, dead = _watch(cfg, procs, store)
         except KeyboardInterrupt:
             _stop_all(procs)
             sys.stderr.write("plait: interrupted\n")
             return 130
+        except _Terminated:
+            _stop_all(procs)
+            sys.stderr.write(
+                "plait: stopped by SIGTERM; continue from the servers' last checkpoint with: "
+                f"plait train --resume {run_dir}\n"
+            )
+            return 143
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         finish_run(cfg, run_dir, start, dead, time.time() - t0, ok=code == 0)
         return code
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _on_sigterm(signum, frame):
+    """A scheduler's SIGTERM: stop the servers and workers (they would outlive this process) and
+    leave; the servers' checkpoints of every checkpoint_every clocks are what a resume takes."""
+    raise _Terminated
 
 
 def _watch(cfg, procs: dict, store) -> tuple[int, list[int]]:
