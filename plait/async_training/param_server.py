@@ -30,6 +30,7 @@ through `_SHARD` (an RPC handler is a module-level function; the server process 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -249,6 +250,8 @@ class Shard:
         steps = sorted(int(d.name[5:]) for d in root.glob("step_*") if (d / path.name).exists())
         for old in steps[:-keep]:
             (root / f"step_{old}" / path.name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the last server out removes the directory
+                (root / f"step_{old}").rmdir()
 
     def load(self, path: Path) -> None:
         state = torch.load(path, weights_only=False)
