@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import threading
@@ -173,13 +174,18 @@ class Shard:
             if clip > 0:
                 factor = min(1.0, clip / (norm + 1e-6))
                 grads = [g * factor for g in grads] if factor < 1.0 else grads
-        for p, g in zip(self.params, grads):
-            p.grad = g
-        for group in self.optimizer.param_groups:
-            group["lr"] = self._lr(clock)
-        self.optimizer.step()
-        for p in self.params:
-            p.grad = None
+        # every server sees the same global norm, so all skip a non-finite update alike (async:
+        # the worker does not push a non-finite gradient at all); train.nonfinite = "skip"
+        if norm is None or math.isfinite(norm):
+            for p, g in zip(self.params, grads):
+                p.grad = g
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._lr(clock)
+            self.optimizer.step()
+            for p in self.params:
+                p.grad = None
+        else:
+            self.log.write(json.dumps({"clock": clock, "skipped": True}) + "\n")
         now = time.time()
         for w in workers:
             grads_, version, loss = parts[w]

@@ -51,7 +51,8 @@ def step_records(cfg, run_dir: Path) -> list[dict]:
     by_step: dict[int, list[dict]] = defaultdict(list)
     for path in sorted((run_dir / "ps").glob("worker*.jsonl")):
         for r in _read(path):
-            by_step[r["step"]].append(r)
+            if not r.get("skipped"):  # async: a non-finite gradient the worker did not push
+                by_step[r["step"]].append(r)
     stale: dict[int, list[int]] = defaultdict(list)
     norms: dict[int, float] = {}
     for r in _read(run_dir / "ps" / "server0.jsonl"):

@@ -19,6 +19,7 @@ servers clip the mean, as data parallelism does.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -126,6 +127,10 @@ def work(cfg, w: int, store, run_dir: Path, start: int, device: torch.device) ->
             factor = min(1.0, t.grad_clip / (norm + 1e-6))
             grads = [g * factor for g in grads] if factor < 1.0 else grads
         model.zero_grad(set_to_none=True)
+        if cfg.ps.consistency == "async" and not math.isfinite(norm):  # train.nonfinite = "skip"
+            print(f"plait: worker {w} clock {clock}: non-finite gradient, not pushed", flush=True)
+            out.write(json.dumps({"step": clock, "worker": w, "skipped": True, "t": time.time()}) + "\n")
+            continue
         t1 = time.perf_counter()
         parts = []
         for s, ((lo, hi), name) in enumerate(zip(ranges, servers)):
