@@ -552,21 +552,21 @@ def _validate_ps(cfg: Config) -> None:
     )
     if not s.servers:
         return
-    others = {
-        "parallel.tp": p.tp != 1,
-        "parallel.pp": p.pp != 1,
-        "parallel.ep": p.ep != 1,
-        "parallel.zero_stage": p.zero_stage != 0,
-        "parallel.hybrid_shard": p.hybrid_shard != 0,
-        "comm.compression": cfg.comm.compression != "none",
-        "offload.optimizer": cfg.offload.optimizer != "none",
-        "model.experts": cfg.model.experts != 0,
+    others = {  # key: (value, its default)
+        "parallel.tp": (p.tp, 1),
+        "parallel.pp": (p.pp, 1),
+        "parallel.ep": (p.ep, 1),
+        "parallel.zero_stage": (p.zero_stage, 0),
+        "parallel.hybrid_shard": (p.hybrid_shard, 0),
+        "comm.compression": (cfg.comm.compression, "none"),
+        "offload.optimizer": (cfg.offload.optimizer, "none"),
+        "model.experts": (cfg.model.experts, 0),
     }
-    for key, used in others.items():
+    for key, (value, default) in others.items():
         _require(
-            not used,
-            f"ps.servers = {s.servers} with {key} is not available: parameter-server workers each hold the "
-            f"whole model and push whole gradients; set {key} to its default, or ps.servers = 0",
+            value == default,
+            f"ps.servers = {s.servers} with {key} = {value!r} is not available: parameter-server workers "
+            f"each hold the whole model and push whole gradients; set {key} = {default!r}, or ps.servers = 0",
         )
     import torch
 

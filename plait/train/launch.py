@@ -79,6 +79,12 @@ def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = No
     if cfg.ps.servers:  # servers and workers as separate processes (plait.async_training)
         from plait.async_training.ps_launch import launch_ps
 
+        if _under_launcher():
+            raise ConfigError(
+                f"ps.servers = {cfg.ps.servers}: the parameter server starts its own servers and "
+                "workers; run plait train directly, not under torchrun"
+            )
+
         return launch_ps(cfg, resume=resume)
     world = cfg.world_size
     if _under_launcher():
