@@ -122,11 +122,7 @@ def main() -> None:
         curves[name] = evals
         reach = next((t for t, v in evals if v <= target + 1e-9), float("nan"))
         train_s = evals[-1][0]
-        rates = [
-            r["pushes_per_s"]
-            for r in records
-            if r.get("pushes_per_s") == r.get("pushes_per_s") and "pushes_per_s" in r
-        ]
+        rates = [r["pushes_per_s"] for r in records if r.get("pushes_per_s") is not None]
         rows.append([
             name, f"{reach:.1f}", f"{finals[name]:.4f}", f"{train_s:.1f}",
             f"{summary['staleness_mean']:.2f}" if is_ps else "-",

@@ -68,7 +68,7 @@ def step_records(cfg, run_dir: Path) -> list[dict]:
         k = min(t.log_every, c - min(by_step))
         window = sum(len(by_step[s]) for s in range(c - k + 1, c + 1) if s in by_step)
         span = ends[c] - ends[c - k] if k and (c - k) in ends else 0.0
-        rate = window / span if span > 0 else float("nan")
+        rate = window / span if span > 0 else None  # the first clock: no window yet
         record = {
             "step": c,
             "loss": math.fsum(r["loss"] for r in rs) / len(rs),
