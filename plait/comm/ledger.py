@@ -7,6 +7,8 @@ moves under the ring algorithm (the figure nccl-tests reports and the papers' fo
     all_gather, reduce_scatter   (N-1)/N x payload      (payload = the full, unsharded tensor)
     all_to_all                   (N-1)/N x payload      (one N-th of the payload stays local)
     broadcast, send, recv                  payload
+    push, pull                             payload  (parameter server: one message to one server,
+                                                     recorded with `record_message`)
 
 Payload and bus bytes are what the collective actually carried. `logical_bytes` is the payload
 the same step would have needed uncompressed (a gradient compressor passes the fp32 size of the
@@ -29,6 +31,8 @@ _RING_FACTOR = {
     "send": lambda n: 1.0,
     "recv": lambda n: 1.0,
     "barrier": lambda n: 0.0,
+    "push": lambda n: 1.0,
+    "pull": lambda n: 1.0,
 }
 
 
@@ -78,6 +82,11 @@ class Ledger:
             row.payload_bytes += int(payload_bytes)
             row.bus_bytes += bus_bytes(op, payload_bytes, n)
             row.logical_bytes += int(payload_bytes if logical_bytes is None else logical_bytes)
+
+    def record_message(self, op: str, peer: str, payload_bytes: int) -> None:
+        """A point-to-point message that is not a collective (a parameter server's push or
+        pull over torch.distributed.rpc): recorded under the axis `peer`, bus bytes = payload."""
+        self.record(op, peer, payload_bytes, 2)
 
     def rows(self, step: int | None = None) -> dict[tuple[str, str], LedgerRow]:
         """{(op, axis): LedgerRow} for `step` (default: the current step)."""

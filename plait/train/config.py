@@ -174,6 +174,21 @@ class OptimConfig:
 
 
 @dataclasses.dataclass
+class PsConfig:
+    """Parameter server (plait.async_training; Li et al. 2014): servers own key ranges of the
+    parameters and apply the optimizer, parallel.dp workers push gradients and pull parameters."""
+
+    servers: int = _f(
+        0, "server processes, each owning a key range of the parameters (0 = no parameter server)"
+    )
+    consistency: str = _f(
+        "bsp", "bsp (every worker's clock c before any reads c+1), ssp (bounded staleness), async (Downpour)"
+    )
+    staleness: int = _f(2, "ps.consistency = ssp: a worker waits when more than this many clocks ahead")
+    server_optimizer: str = _f("adamw", "the servers' optimizer: sgd, adagrad (as in Downpour) or adamw")
+
+
+@dataclasses.dataclass
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -182,6 +197,7 @@ class Config:
     comm: CommConfig = dataclasses.field(default_factory=CommConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
+    ps: PsConfig = dataclasses.field(default_factory=PsConfig)
 
     @property
     def world_size(self) -> int:
@@ -211,6 +227,7 @@ _SECTION_TYPES = {
     "comm": CommConfig,
     "optim": OptimConfig,
     "offload": OffloadConfig,
+    "ps": PsConfig,
 }
 
 
@@ -388,7 +405,8 @@ _BOUNDS = {
         ("model.n_layer", "model.n_head", "model.d_model", "model.d_ff", "model.seq_len", "model.experts")
         + ("model.moe_every", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep")
         + ("parallel.microbatches", "parallel.virtual_stages", "parallel.hybrid_shard")
-        + ("train.global_batch", "train.micro_batches", "train.eval_batches", "comm.powersgd_rank"),
+        + ("train.global_batch", "train.micro_batches", "train.eval_batches", "comm.powersgd_rank")
+        + ("ps.servers", "ps.staleness"),
         (MAX_SIZE, "2**20"),
     ),
     "train.sample_tokens": (MAX_SAMPLE_TOKENS, "one forward pass per token"),
@@ -419,6 +437,7 @@ def validate(cfg: Config) -> None:
     t, p = cfg.train, cfg.parallel
     for name in ("dp", "tp", "pp", "ep"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    _validate_ps(cfg)
     _validate_moe(cfg)
     _require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
     for name in ("steps", "global_batch", "micro_batches", "log_every", "eval_batches", "keep_checkpoints"):
@@ -512,6 +531,54 @@ def validate(cfg: Config) -> None:
         "tensor-parallel placements or a pipeline's stages; use comm.target = 'gradient'",
     )
     _validate_pipeline(cfg, m.n_layer)
+
+
+PS_CONSISTENCY = ("bsp", "ssp", "async")
+PS_OPTIMIZERS = ("sgd", "adagrad", "adamw")
+
+
+def _validate_ps(cfg: Config) -> None:
+    """The parameter server (plait.async_training): its keys, and what it does not combine with."""
+    s, p = cfg.ps, cfg.parallel
+    _require(s.servers >= 0, f"ps.servers must be >= 0 (0 = no parameter server), got {s.servers}")
+    _require(
+        s.consistency in PS_CONSISTENCY,
+        f"ps.consistency = {s.consistency!r} is unknown; valid: {', '.join(PS_CONSISTENCY)}",
+    )
+    _require(s.staleness >= 0, f"ps.staleness must be >= 0 (0 = bsp), got {s.staleness}")
+    _require(
+        s.server_optimizer in PS_OPTIMIZERS,
+        f"ps.server_optimizer = {s.server_optimizer!r} is unknown; valid: {', '.join(PS_OPTIMIZERS)}",
+    )
+    if not s.servers:
+        return
+    others = {  # key: (value, its default)
+        "parallel.tp": (p.tp, 1),
+        "parallel.pp": (p.pp, 1),
+        "parallel.ep": (p.ep, 1),
+        "parallel.zero_stage": (p.zero_stage, 0),
+        "parallel.hybrid_shard": (p.hybrid_shard, 0),
+        "comm.compression": (cfg.comm.compression, "none"),
+        "offload.optimizer": (cfg.offload.optimizer, "none"),
+        "model.experts": (cfg.model.experts, 0),
+    }
+    for key, (value, default) in others.items():
+        _require(
+            value == default,
+            f"ps.servers = {s.servers} with {key} = {value!r} is not available: parameter-server workers "
+            f"each hold the whole model and push whole gradients; set {key} = {default!r}, or ps.servers = 0",
+        )
+    import torch
+
+    from plait.models import GPT
+
+    with torch.device("meta"):
+        n = len(list(GPT(model_config(cfg)).parameters()))
+    _require(
+        s.servers <= n,
+        f"ps.servers = {s.servers} is more than the model's {n} parameter tensors (each server owns a "
+        f"range of whole tensors); use ps.servers <= {n}",
+    )
 
 
 def _validate_momentum_target(cfg: Config) -> None:

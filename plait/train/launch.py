@@ -81,6 +81,16 @@ LAUNCHER_PID_ENV = "PLAIT_LAUNCHER_PID"  # the process that started the ranks (a
 def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = None) -> int:
     """Run the configured job; returns the process exit code (0 on success). `checkpoint`: the
     one to resume from (default: `latest`, or the newest that verifies)."""
+    if cfg.ps.servers:  # servers and workers as separate processes (plait.async_training)
+        from plait.async_training.ps_launch import launch_ps
+
+        if _under_launcher():
+            raise ConfigError(
+                f"ps.servers = {cfg.ps.servers}: the parameter server starts its own servers and "
+                "workers; run plait train directly, not under torchrun"
+            )
+
+        return launch_ps(cfg, resume=resume)
     world = cfg.world_size
     if _under_launcher():
         actual = int(os.environ["WORLD_SIZE"])

@@ -1,0 +1,194 @@
+"""A parameter-server worker: pull the parameters, compute the GPT's gradient on its rows of the
+global batch, push the gradient whole to every server (Li et al. 2014 §3.1; Dean et al. 2012's
+Downpour model replica).
+
+Worker w of W takes rows [w·B/W, (w+1)·B/W) of every global batch of B sequences, as data-parallel
+rank w would (`DistributedBatchSampler`), and backpropagates its token-loss sum divided by its
+tokens: the mean of the W gradients is the data-parallel gradient of the global batch, which is
+what bsp applies. One iteration is one clock:
+
+    pull(c) from every server  ->  forward/backward  ->  push(c) part to every server
+        ->  commit record in the store  ->  commit to every server
+
+The pushes of one clock go out together (`rpc_async`) and each carries the version it was computed
+from, so each server can measure the push's staleness. Under async each push is its own optimizer
+step, so the worker clips its own gradient (the global norm of what it pushes); under bsp/ssp the
+servers clip the mean, as data parallelism does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.rpc as rpc
+
+from plait.async_training import param_server as ps
+from plait.comm.ledger import Ledger
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _skip(sampler, steps: int) -> None:
+    """Advance the sampler past `steps` global batches (a resumed worker's position)."""
+    while steps:
+        left = sampler.batches_per_epoch() - sampler.index
+        if steps < left:
+            sampler.index += steps
+            return
+        steps -= left
+        sampler.epoch, sampler.index = sampler.epoch + 1, 0
+
+
+def _cut_push_at() -> tuple[int, int] | None:
+    """PLAIT_PS_CUT=WORKER:CLOCK: that worker dies (SIGKILL) at that clock after its part has
+    reached server 0 and before it commits (the failure tests' half-sent push)."""
+    spec = os.environ.get("PLAIT_PS_CUT")
+    if not spec:
+        return None
+    w, c = spec.split(":")
+    return int(w), int(c)
+
+
+def slow_hook(step: int, rank: int, cfg, engine=None) -> None:
+    """A step hook (PLAIT_STEP_HOOK=plait.async_training.ps_worker:slow_hook) for tests and the
+    benchmark: PLAIT_PS_SLOW=WORKER:SECONDS makes that worker sleep this long every clock, and
+    PLAIT_FAIL_AT (plait.testing.inject_fault) still applies."""
+    from plait.testing import inject_fault
+
+    spec = os.environ.get("PLAIT_PS_SLOW")
+    if spec:
+        w, seconds = spec.split(":")
+        if int(w) == rank:
+            time.sleep(float(seconds))
+    inject_fault(step, rank, cfg, engine)
+
+
+def work(cfg, w: int, store, run_dir: Path, start: int, device: torch.device) -> None:
+    """Run worker `w`'s clocks start+1 .. last (train.stop_at or train.steps)."""
+    from plait.data import DistributedBatchSampler, eval_batches, load_corpus
+    from plait.models import GPT
+    from plait.train.config import model_config
+    from plait.train.loop import step_hook
+
+    t, n_servers, n_workers = cfg.train, cfg.ps.servers, cfg.parallel.dp
+    mcfg = model_config(cfg)
+    corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)
+    sampler = DistributedBatchSampler(
+        corpus.train, mcfg.seq_len, t.global_batch, w, n_workers, t.seed, micro_batches=t.micro_batches
+    )
+    _skip(sampler, start)
+    torch.manual_seed(t.seed)
+    model = GPT(mcfg).to(device)
+    model.train()
+    params = list(model.parameters())
+    ranges = ps.key_ranges([p.numel() for p in params], n_servers)
+    torch.manual_seed(t.seed + 1 + w)  # dropout streams differ per worker, as per dp rank
+    local_tokens = t.global_batch * mcfg.seq_len // n_workers
+    last = min(t.steps, t.stop_at) if t.stop_at else t.steps
+    val = eval_batches(corpus.val, mcfg.seq_len, t.global_batch, t.eval_batches) if w == 0 else None
+    hook, cut = step_hook(), _cut_push_at()
+    ledger = Ledger()
+    out = open(run_dir / "ps" / f"worker{w}.jsonl", "a", buffering=1)  # noqa: SIM115
+    servers = [f"server{s}" for s in range(n_servers)]
+    window = time.perf_counter()
+    for clock in range(start + 1, last + 1):
+        if hook is not None:
+            hook(step=clock, rank=w, cfg=cfg, engine=None)
+        ledger.set_step(clock)
+        t0 = time.perf_counter()
+        pulls = [rpc.rpc_async(name, ps.handle_pull, args=(w, clock)) for name in servers]
+        versions = []
+        with torch.no_grad():
+            for (lo, hi), fut, name in zip(ranges, pulls, servers):
+                values, version = fut.wait()
+                versions.append(version)
+                for p, v in zip(params[lo:hi], values):
+                    p.copy_(v)
+                ledger.record_message("pull", name, _nbytes(values))
+        t_pull = time.perf_counter() - t0
+        total = 0.0
+        for x, y in sampler.next_batch():
+            with _autocast(device, t.bf16):
+                loss_sum = model(x.to(device), y.to(device), reduction="sum")
+            (loss_sum / local_tokens).backward()
+            total += float(loss_sum.detach().double())
+        loss = total / local_tokens
+        grads = [p.grad.detach().cpu() for p in params]
+        norm = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])))
+        if cfg.ps.consistency == "async" and t.grad_clip > 0:  # each push is a step: clip it
+            factor = min(1.0, t.grad_clip / (norm + 1e-6))
+            grads = [g * factor for g in grads] if factor < 1.0 else grads
+        model.zero_grad(set_to_none=True)
+        if cfg.ps.consistency == "async" and not math.isfinite(norm):  # train.nonfinite = "skip"
+            print(f"plait: worker {w} clock {clock}: non-finite gradient, not pushed", flush=True)
+            out.write(json.dumps({"step": clock, "worker": w, "skipped": True, "t": time.time()}) + "\n")
+            continue
+        t1 = time.perf_counter()
+        parts = []
+        for s, ((lo, hi), name) in enumerate(zip(ranges, servers)):
+            part = grads[lo:hi]
+            parts.append(rpc.rpc_async(name, ps.handle_push, args=(w, clock, versions[s], part, loss)))
+            ledger.record_message("push", name, _nbytes(part))
+            if cut == (w, clock):  # the failure tests: server 0 has its part, nobody else
+                parts[0].wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+        for fut in parts:
+            fut.wait()
+        store.set(f"ps/commit/{w}/{clock}", "1")  # the push is whole from here on
+        for fut in [rpc.rpc_async(name, ps.handle_commit, args=(w, clock)) for name in servers]:
+            fut.wait()
+        record = {
+            "step": clock,
+            "worker": w,
+            "loss": loss,
+            "local_grad_norm": norm,
+            "t": time.time(),
+            "pull_s": t_pull,
+            "push_s": time.perf_counter() - t1,
+            "step_s": time.perf_counter() - t0,
+            "versions": versions,
+            "push_bytes": ledger.total(clock, op="push"),
+            "pull_bytes": ledger.total(clock, op="pull"),
+        }
+        if w == 0 and clock % t.log_every == 0:
+            elapsed, window = time.perf_counter() - window, time.perf_counter()
+            print(
+                f"step {clock:>5}/{t.steps} | worker 0 loss {loss:.4f} | versions {versions} | "
+                f"{t.log_every / elapsed:.2f} clocks/s",
+                flush=True,
+            )
+        if w == 0 and t.eval_every and clock % t.eval_every == 0 and clock != t.steps:
+            record["val_loss"] = evaluate(model, val, device)  # on the parameters it pulled
+            print(
+                f"step {clock:>5}/{t.steps} | held-out loss {record['val_loss']:.4f} (worker 0)", flush=True
+            )
+        out.write(json.dumps(record) + "\n")
+    out.close()
+    store.set(f"ps/done/{w}", "1")
+
+
+@torch.no_grad()
+def evaluate(model, batches, device) -> float:
+    """Mean held-out loss per token of `model` (whole, on this process)."""
+    was = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in batches:
+        total += float(model(x.to(device), y.to(device), reduction="sum"))
+        count += y.numel()
+    model.train(was)
+    return total / count
+
+
+def _autocast(device, bf16: bool):
+    import contextlib
+
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
