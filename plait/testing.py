@@ -1,10 +1,11 @@
 """Run a function on N CPU ranks from a test, and compare parallel runs with a single process.
 
-`run_ranks(fn, world_size)` spawns one process per rank, initialises a gloo process group in
+`run_ranks(fn, world_size)` starts one process per rank, initialises a gloo process group in
 each, calls `fn(*args)` and returns the per-rank return values. A rank that raises, exits or
 hangs fails the whole call quickly: the other ranks are killed and the error lists each failed
-rank with its own traceback (or the watchdog's report). Group several checks into one call: a
-spawn costs a few seconds on a small machine.
+rank with its own traceback (or the watchdog's report). Group several checks into one call:
+the ranks fork from a server that imported torch once, but the rendezvous and the gloo groups
+still cost a fraction of a second per call.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def run_ranks(
     env: dict[str, str] | None = None,
     grace: float = 2.0,
 ) -> list:
-    """Run `fn(*args)` on `world_size` gloo ranks (spawned processes); return each rank's result.
+    """Run `fn(*args)` on `world_size` gloo ranks (processes); return each rank's result.
 
     `fn` must be importable (defined at module level). Raises `RankFailure` naming every rank
     that failed, with its traceback, as soon as one fails (after `grace` seconds for the others

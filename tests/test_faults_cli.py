@@ -303,3 +303,25 @@ def test_the_watchdog_report_is_printed_once_without_the_stack_unless_asked(monk
     exc = types.SimpleNamespace(failures={0: failure, 1: other}, get_first_failure=lambda: (0, failure))
     text = format_child_failure(exc, 12.0)
     assert "plait watchdog" not in text and "the watchdog report above" in text and "rank 0 failed" in text
+
+
+def test_the_root_cause_is_the_earliest_error_any_rank_wrote(tmp_path):
+    """The agent reports only the first rank to exit. When rank 1 raises and rank 0 dies in a
+    collective with it but exits first, the launcher still names rank 1 and shows its error."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    def error_file(rank, text, mtime_ns):
+        path = tmp_path / "attempt_0" / str(rank) / "error.json"
+        path.parent.mkdir(parents=True)
+        info = {"py_callstack": f"Traceback: {text}", "timestamp": "1700000000"}
+        path.write_text(json.dumps({"message": {"message": text, "extraInfo": info}}))
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+        return str(path)
+
+    error_file(1, "RuntimeError: injected fault on rank 1", 1_700_000_000_100_000_000)
+    first_out = error_file(0, "RuntimeError: Connection reset by peer", 1_700_000_000_900_000_000)
+    exc = types.SimpleNamespace(failures={0: ProcessFailure(0, 123, 1, first_out)})
+    text = format_child_failure(exc, 3.0)
+    assert "plait: rank 1 failed after 3.0s; the job was stopped" in text, text
+    assert "injected fault on rank 1" in text and "Connection reset" not in text, text
+    assert "rank 0: exit code 1" in text, text

@@ -241,6 +241,8 @@ def _with_reports_on_disk(failures: dict) -> dict:
 
     found = dict(failures)
     for failure in failures.values():
+        if not getattr(failure, "error_file", None):
+            continue
         for path in Path(failure.error_file).parent.parent.glob("*/error.json"):
             rank = int(path.parent.name) if path.parent.name.isdigit() else None
             if rank is not None and rank not in found:
@@ -253,7 +255,7 @@ def _written_at(failure) -> tuple[int, int]:
     whole seconds, and a peer dying in a collective often fails within the same second)."""
     try:
         return failure.timestamp, os.stat(failure.error_file).st_mtime_ns
-    except (OSError, TypeError):
+    except (OSError, TypeError, AttributeError):
         return failure.timestamp, 0
 
 
