@@ -5,7 +5,7 @@ seconds of start-up around a short training); the tests read their run directori
 
 * bsp follows plait's synchronous data parallelism (dp=2) with the same optimizer (SGD, no
   clipping), in losses, gradient norms and final parameters, with 1 server and (resumed) 2
-  servers; ssp with staleness 0 is bsp exactly (2 servers, AdamW with global-norm clipping: the
+  servers, and with 4 workers over 2 servers against dp=4; ssp with staleness 0 is bsp exactly (2 servers, AdamW with global-norm clipping: the
   servers exchange their partial norms);
 * ssp (τ=1) with a slowed worker never logs a staleness above τ, and one process replaying it
   from the versions each push recorded reproduces its losses and parameters; a worker killed
@@ -45,6 +45,11 @@ def runs(tmp_path_factory):
     plan = {
         "dp_sgd": ((*DP2, *SGD), {}),
         "bsp1_sgd": ((*DP2, *SGD, *_ps(1, "bsp", "--ps.server_optimizer", "sgd")), {}),
+        "dp4_sgd": ((*DP2, *SGD, "--parallel.dp", "4"), {}),
+        "bsp4x2_sgd": (
+            (*DP2, *SGD, "--parallel.dp", "4", *_ps(2, "bsp", "--ps.server_optimizer", "sgd")),
+            {},
+        ),
         "bsp2_adamw": ((*DP2, *_ps(2, "bsp")), {}),
         "ssp0_adamw": ((*DP2, *_ps(2, "ssp", "--ps.staleness", "0")), {}),
         "bsp2_stop": (
@@ -126,6 +131,10 @@ def test_bsp_equals_data_parallel_and_ssp0_equals_bsp(runs):
     m_ps, m_dp = metrics(bsp1), metrics(dp_sgd)
     for step in m_dp:
         assert math.isclose(m_ps[step]["grad_norm"], m_dp[step]["grad_norm"], rel_tol=1e-6)
+    # 4 workers over 2 key ranges = dp=4
+    dp4, bsp4 = _ok(runs, "dp4_sgd"), _ok(runs, "bsp4x2_sgd")
+    _assert_losses_match(bsp4, dp4, what="bsp, 4 workers, 2 servers, SGD")
+    _assert_params_match(bsp4, dp4)
     bsp2 = _ok(runs, "bsp2_adamw")
     _assert_losses_match(_ok(runs, "ssp0_adamw"), bsp2, atol=0.0, what="ssp tau=0 vs bsp")
     assert any(r["grad_norm"] > 1.0 for r in metrics(bsp2).values())  # the clipping acted
