@@ -12,7 +12,8 @@ shuffled stream round-robin), so their final held-out losses are comparable at e
 Updates per second are counted from the moment the workers are released together (after
 start-up: spawn, imports and the example streams are not timed) to the moment the last one ends.
 The variants run in turn, in an order that rotates each repeat, so all see the same machine
-state; the figures are medians over `--repeats`, and the speed-ups are ratios of medians. Each
+state; the figures are medians over `--repeats`, and a speed-up is the median over the repeats
+of the ratio to the one-process run of the same repeat (paired: the load changes). Each
 setting is run for two update rules: the default (Adagrad on mini-batches) and Algorithm 1 of
 the paper exactly (plain SGD, one example per update).
 
@@ -47,7 +48,7 @@ HEADERS = [
     "workers",
     "updates/s (median)",
     "min-max",
-    "vs one process",
+    "vs one process (paired)",
     "held-out loss",
     "vs one process",
 ]
@@ -140,6 +141,10 @@ def rows(results: list[tuple[dict, dict]], workers: int) -> list[list[str]]:
         loss = {v: statistics.median(r.final_loss for r in runs[v]) for v in VARIANTS}
         for v in VARIANTS:
             rates = [r.updates_per_s for r in runs[v]]
+            # paired: each repeat's ratio to the one-process run made next to it, then the median
+            paired = statistics.median(
+                r.updates_per_s / o.updates_per_s for r, o in zip(runs[v], runs["one"])
+            )
             out.append(
                 [
                     setting["name"],
@@ -147,7 +152,7 @@ def rows(results: list[tuple[dict, dict]], workers: int) -> list[list[str]]:
                     "1" if v == "one" else str(workers),
                     f"{speed[v]:,.0f}",
                     f"{min(rates):,.0f}-{max(rates):,.0f}",
-                    f"{speed[v] / speed['one']:.2f}x",
+                    f"{paired:.2f}x",
                     f"{loss[v]:.4f}",
                     f"{100 * (loss[v] - loss['one']) / loss['one']:+.2f}%",
                 ]
@@ -203,9 +208,9 @@ def plot(results: list[tuple[dict, dict]], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--updates", type=int, default=40_000, help="updates per run (x4 for batch-1 SGD)")
+    parser.add_argument("--updates", type=int, default=30_000, help="updates per run (x4 for batch-1 SGD)")
     parser.add_argument("--workers", type=int, default=2, help="processes of the hogwild and locked runs")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each variant")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each variant")
     parser.add_argument("--quick", action="store_true", help="smoke check: 4000 updates, 1 repeat, no file")
     parser.add_argument("--out", type=Path, default=None, help=f"markdown output (default {RESULTS})")
     args = parser.parse_args(argv)
@@ -231,11 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(text_table(REPEAT_HEADERS, repeat_rows(results)))
     hog = [r for r in table if r[1] == "hogwild"]
+    ceilings = [c for _, runs in results for c in runs["ceiling"]] + ceiling
+    note = (
+        f" (the machine offered at most {max(ceilings):.2f}x during this run: not a test of the target)"
+        if max(ceilings) < TARGET
+        else ""
+    )
     verdicts = [
         [
             f"hogwild updates/s >= {TARGET}x one process, {s[0]}",
             s[5],
-            "met" if float(s[5][:-1]) >= TARGET else "NOT met",
+            ("met" if float(s[5][:-1]) >= TARGET else "NOT met") + note,
         ]
         for s in hog
     ]

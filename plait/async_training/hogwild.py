@@ -4,18 +4,19 @@ Niu, Recht, Ré and Wright 2011, "HOGWILD!: A Lock-Free Approach to Parallelizin
 Gradient Descent" (Algorithm 1): every processor repeatedly samples an example e, reads the
 coordinates x_e of the weights that e touches, computes the gradient of f_e there, and writes
 x_v <- x_v - gamma * b_v^T G_e(x) for each v in e, with no lock: when updates are sparse, two
-processors rarely write the same coordinate, and the few overwrites cost little accuracy (their
-Proposition 4.1: a near-linear speed-up when the conflict graph is sparse). The paper's
-comparison point is the same loop with a lock around each read-compute-write ("AIG"/round-robin
-locking in their §5), which serialises the processors.
+processors rarely write the same coordinate, and the few overwrites cost little accuracy (the
+paper's analysis: a near-linear speed-up when the example-coordinate conflict graph is sparse).
+The comparison point is locking, which serialises the processors: plait's locked variant holds
+one lock around each read-compute-write.
 
 plait runs Algorithm 1 on the sparse logistic regression of `sparse_data` (binary labels, each
 example a list of hashed n-gram feature indices, all of value 1):
 
 * the weights (and Adagrad's accumulator) are ``share_memory_()`` tensors; N worker processes
-  started with ``torch.multiprocessing`` (spawn) map them, and update them in place with
-  ``index_select`` (read) and ``index_add_`` (write) on the example's coordinates only;
-* worker r takes examples r, r + N, r + 2N, ... of one shuffled stream, so N workers together
+  started with ``torch.multiprocessing`` (a fork server: spawn's clean start, paid once) map
+  them, and update them in place with ``index_select`` (read) and ``index_add_`` (write) on the
+  update's coordinates only; an update is a mini-batch of ``batch`` examples (1: Algorithm 1);
+* worker r takes batches r, r + N, r + 2N, ... of one shuffled stream, so N workers together
   perform exactly the updates one process would (equal updates, a different interleaving);
 * the update count is exact: each worker increments only its own slot of a shared int64 tensor
   and the total is their sum. (One shared counter incremented with ``+=`` by all workers is a
@@ -44,6 +45,7 @@ OPTIMIZERS = ("sgd", "adagrad")
 MAX_WORKERS = 256
 MAX_UPDATES = 10**9
 ADAGRAD_EPS = 1e-10
+"""Adagrad's accumulator starts here rather than at 0, so 1/sqrt of it is always finite."""
 _REPORT_EVERY = 256
 """Updates between a worker's writes of its running training-loss sum to shared memory."""
 
