@@ -30,8 +30,10 @@ the host's cores whatever accelerator the machine has.
 
 from __future__ import annotations
 
+import itertools
 import math
-import os
+import multiprocessing
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -193,8 +195,12 @@ def _worker(rank: int, cfg: HogwildConfig, problem: SparseProblem, state: dict, 
     loss_sum = torch.zeros((), dtype=torch.float64)
     b, nnz = cfg.batch, problem.nnz
     lr, adagrad = cfg.lr, cfg.optimizer == "adagrad"
-    parent = os.getppid()
-    chunks = list(worker_batches(x.shape[0], cfg.updates, b, cfg.seed, rank, cfg.workers))
+    parent = multiprocessing.parent_process()  # the launching process (not the fork server)
+    # Batches are made a chunk at a time (a long run's stream would not fit in memory); the first
+    # one before the start, so that the timed part starts with updates.
+    stream = worker_batches(x.shape[0], cfg.updates, b, cfg.seed, rank, cfg.workers)
+    chunks = itertools.chain([next(stream)], stream)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
     state["ready"][rank] = 1
     start.wait()
     state["begin"][rank] = time.monotonic()
@@ -225,7 +231,7 @@ def _worker(rank: int, cfg: HogwildConfig, problem: SparseProblem, state: dict, 
             if done % _REPORT_EVERY == 0:
                 loss_slot.copy_(loss_sum)
                 loss_n.fill_(done * b)
-                if os.getppid() != parent:  # the parent died without stopping us: nobody reads on
+                if parent is not None and not parent.is_alive():  # it died without stopping us
                     return
     loss_slot.copy_(loss_sum)
     loss_n.fill_(done * b)
