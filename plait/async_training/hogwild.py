@@ -58,7 +58,7 @@ class HogwildConfig:
 
     workers: int = 2
     """Worker processes N; 1 is the one-process baseline."""
-    updates: int = 50_000
+    updates: int = 30_000
     """Total updates over all workers."""
     batch: int = 8
     """Examples per update (1: Algorithm 1 of Niu et al. exactly). A few examples still touch a
