@@ -5,8 +5,8 @@ plait export RUN_DIR [--out model.safetensors] [--step N] [--dtype fp32|bf16]
 plait estimate (--params N | --model NAME) [--dp N] [--zero-stage S] ... [--json]
 plait schedule --kind KIND --stages P --microbatches M [--virtual-stages V] [--costs F,B,W] [--comm C]
                [--out timeline.png] [--json]
-plait hogwild [--workers N] [--updates U] [--batch B] [--lock] [--optimizer adagrad|sgd] [--lr LR] [--features F]
-              [--out DIR] [--json]
+plait hogwild [--workers N] [--updates U] [--batch B] [--lock] [--optimizer adagrad|sgd] [--lr LR]
+              [--features F] [--out DIR] [--json]
 """
 
 from __future__ import annotations
