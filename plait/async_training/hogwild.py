@@ -314,6 +314,8 @@ def train_hogwild(cfg: HogwildConfig, problem: SparseProblem | None = None, on_p
                     on_point(point)
                 next_eval = (math.floor(count / step) + 1) * step
         _check_workers(procs)
+        if bar is not None:
+            bar.update(int(state["counts"].sum()) - bar.n)  # the last updates, made after the last poll
     finally:
         if bar is not None:
             bar.close()
