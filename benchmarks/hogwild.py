@@ -11,9 +11,12 @@ All three perform the same `--updates` updates on the same examples (the workers
 shuffled stream round-robin), so their final held-out losses are comparable at equal updates.
 Updates per second are counted from the moment the workers are released together (after
 start-up: spawn, imports and the example streams are not timed) to the moment the last one ends.
-The variants run in turn, in an order that rotates each repeat, so all see the same machine
-state; the figures are medians over `--repeats`, and a speed-up is the median over the repeats
-of the ratio to the one-process run of the same repeat (paired: the load changes). Each
+The variants run in turn, in an order that rotates each repeat, in short runs (about a second)
+so that the three of a repeat see nearly the same machine state; the figures are medians over
+`--repeats`, and a speed-up is the median over the repeats of the ratio to the one-process run
+of the same repeat (paired: the load of a shared machine changes). The timed runs make no
+held-out evaluations (the parent's would take CPU from the workers); one extra untimed round
+makes them for the plot. Each
 setting is run for two update rules: the default (Adagrad on mini-batches) and Algorithm 1 of
 the paper exactly (plain SGD, one example per update).
 
@@ -105,24 +108,31 @@ def parallelism(workers: int, n: int = 2_000_000, repeats: int = 3) -> float:
     return statistics.median(run(workers) / run(1) for _ in range(repeats))
 
 
+def _config(setting: dict, variant: str, workers: int, eval_points: int) -> HogwildConfig:
+    return HogwildConfig(
+        workers=1 if variant == "one" else workers,
+        lock=variant == "locked",
+        updates=setting["updates"],
+        batch=setting["batch"],
+        optimizer=setting["optimizer"],
+        lr=setting["lr"],
+        lr_decay=setting["lr_decay"],
+        eval_points=eval_points,
+        progress=False,
+    )
+
+
 def measure(setting: dict, workers: int, repeats: int, problem) -> dict:
+    """`repeats` rounds of the three variants, each round after a reading of the ceiling; then one
+    more round with held-out evaluations during the run, for the plot only (the parent's
+    evaluations take CPU the timed runs do not give them)."""
     runs = {v: [] for v in VARIANTS}
     runs["ceiling"] = []
     for rep in range(repeats):
         runs["ceiling"].append(parallelism(workers, repeats=1))
         order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]
         for variant in order:
-            cfg = HogwildConfig(
-                workers=1 if variant == "one" else workers,
-                lock=variant == "locked",
-                updates=setting["updates"],
-                batch=setting["batch"],
-                optimizer=setting["optimizer"],
-                lr=setting["lr"],
-                lr_decay=setting["lr_decay"],
-                eval_points=10,
-                progress=False,
-            )
+            cfg = _config(setting, variant, workers, eval_points=0)
             r = train_hogwild(cfg, problem)
             assert r.updates == cfg.updates, f"shared count {r.updates} != {cfg.updates}"
             runs[variant].append(r)
@@ -131,6 +141,9 @@ def measure(setting: dict, workers: int, repeats: int, problem) -> dict:
                 f"held-out loss {r.final_loss:.4f}",
                 flush=True,
             )
+    runs["curves"] = {
+        v: train_hogwild(_config(setting, v, workers, eval_points=20), problem) for v in VARIANTS
+    }
     return runs
 
 
@@ -184,7 +197,7 @@ REPEAT_HEADERS = ["update rule", "repeat", "ceiling", "one", "hogwild", "locked"
 
 
 def plot(results: list[tuple[dict, dict]], out: Path) -> Path:
-    """Held-out loss against seconds since release, the first repeat of each variant."""
+    """Held-out loss against seconds since release, from the untimed round with evaluations."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,7 +206,7 @@ def plot(results: list[tuple[dict, dict]], out: Path) -> Path:
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), dpi=110, squeeze=False)
     for ax, (setting, runs) in zip(axes[0], results):
         for v in VARIANTS:
-            r = runs[v][0]
+            r = runs["curves"][v]
             ax.plot([p["seconds"] for p in r.curve], [p["val_loss"] for p in r.curve], "o-", ms=3, label=v)
         ax.set_title(f"{setting['name']}: {setting['updates']:,} updates", fontsize=10)
         ax.set_xlabel("seconds since the workers were released")
@@ -208,14 +221,14 @@ def plot(results: list[tuple[dict, dict]], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--updates", type=int, default=30_000, help="updates per run (x4 for batch-1 SGD)")
+    parser.add_argument("--updates", type=int, default=10_000, help="updates per run (x4 for batch-1 SGD)")
     parser.add_argument("--workers", type=int, default=2, help="processes of the hogwild and locked runs")
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each variant")
+    parser.add_argument("--repeats", type=int, default=11, help="timed runs of each variant")
     parser.add_argument("--quick", action="store_true", help="smoke check: 4000 updates, 1 repeat, no file")
     parser.add_argument("--out", type=Path, default=None, help=f"markdown output (default {RESULTS})")
     args = parser.parse_args(argv)
     if args.quick:
-        args.updates, args.repeats = 4000, 1
+        args.updates, args.repeats = 2000, 1
     if args.updates < args.workers or args.workers < 2 or args.repeats < 1:
         parser.error("--workers must be >= 2, --updates >= --workers and --repeats >= 1")
     command, info = command_line(), machine_info()
@@ -277,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             f"(before) and {ceiling[1]:.2f}x (after) one process's throughput: the most any",
             "  speed-up could be at the load of the moment (2.00x on 2 idle cores).",
             f"- Each variant: the same updates on the same examples; {args.repeats} repeats, rotating order;",
-            "  medians, min-max over the repeats; held-out loss = mean logistic loss of the final weights.",
+            "  medians, min-max over the repeats; speed-ups: median of each repeat's ratio to its",
+            "  one-process run; held-out loss = mean logistic loss of the final weights.",
             "",
             markdown_table(HEADERS, table),
             "",
