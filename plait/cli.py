@@ -378,7 +378,7 @@ def _float_in(lo: float, hi: float, lo_open: bool = False):
 
 
 def _hogwild(argv: list[str]) -> int:
-    from plait.async_training.hogwild import MAX_UPDATES, MAX_WORKERS, OPTIMIZERS, HogwildConfig
+    from plait.async_training.hogwild import MAX_UPDATES, MAX_WORKERS, OPTIMIZERS, HogwildConfig, describe
     from plait.async_training.hogwild_run import prepare_out_dir, run_to_dir
 
     d = HogwildConfig()
@@ -405,7 +405,10 @@ def _hogwild(argv: list[str]) -> int:
         "--optimizer", default=d.optimizer, help=f"{' or '.join(OPTIMIZERS)} (default {d.optimizer})"
     )
     parser.add_argument(
-        "--lr", type=_float_in(0, 100, lo_open=True), default=d.lr, help=f"step size (default {d.lr:g})"
+        "--lr",
+        type=_float_in(0, 100, lo_open=True),
+        default=d.lr,
+        help=f"step size (default {d.lr:g}, for adagrad; sgd wants about 0.05)",
     )
     parser.add_argument(
         "--lr-decay",
@@ -461,9 +464,7 @@ def _hogwild(argv: list[str]) -> int:
         summary["files"] = {k: str(v) for k, v in files.items()}
         print(json.dumps(summary))
         return 0
-    kind = (
-        "one process" if cfg.workers == 1 else f"{cfg.workers} workers, {'locked' if cfg.lock else 'hogwild'}"
-    )
+    kind = describe(cfg)
     print(
         f"plait hogwild ({kind}, {cfg.optimizer}): {result.updates:,} updates in {result.seconds:.2f} s = "
         f"{result.updates_per_s:,.0f} updates/s; held-out loss {result.initial_loss:.4f} -> "

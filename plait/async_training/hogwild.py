@@ -296,7 +296,7 @@ def train_hogwild(cfg: HogwildConfig, problem: SparseProblem | None = None, on_p
         if cfg.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.updates, unit="upd", unit_scale=True, desc=_describe(cfg))
+            bar = tqdm(total=cfg.updates, unit="upd", unit_scale=True, desc=describe(cfg))
         t0 = time.monotonic()
         start.set()
         step = cfg.updates / cfg.eval_points if cfg.eval_points else math.inf
@@ -381,7 +381,8 @@ def _check_workers(procs) -> None:
             )
 
 
-def _describe(cfg: HogwildConfig) -> str:
+def describe(cfg: HogwildConfig) -> str:
+    """ "one process", "2 workers, Hogwild (lock-free)", "2 workers, locked", ..."""
     if cfg.workers == 1:
-        return "one process"
-    return f"{cfg.workers} workers, {'locked' if cfg.lock else 'hogwild'}"
+        return "one process" + (", locked" if cfg.lock else "")
+    return f"{cfg.workers} workers, " + ("locked" if cfg.lock else "Hogwild (lock-free)")

@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from plait.async_training.hogwild import HogwildConfig, HogwildResult, train_hogwild
+from plait.async_training.hogwild import HogwildConfig, HogwildResult, describe, train_hogwild
 from plait.errors import ConfigError
 
 CURVE_FILE, SUMMARY_FILE, PLOT_FILE = "loss.jsonl", "summary.json", "loss.png"
@@ -41,11 +41,7 @@ def plot_curve(result: HogwildResult, out: Path) -> Path:
     held = [(p["updates"], p["val_loss"]) for p in result.curve]
     train = [(p["updates"], p["train_loss"]) for p in result.curve if p["train_loss"] is not None]
     cfg = result.config
-    kind = (
-        "one process"
-        if cfg["workers"] == 1
-        else f"{cfg['workers']} workers, " + ("locked" if cfg["lock"] else "Hogwild (lock-free)")
-    )
+    kind = describe(HogwildConfig(**cfg))
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     ax.plot(*zip(*held), "o-", ms=3, lw=1.5, label="held-out loss (live weights)")
     if train:
