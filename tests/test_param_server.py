@@ -5,8 +5,8 @@ seconds of start-up around a short training); the tests read their run directori
 
 * bsp follows plait's synchronous data parallelism (dp=2) with the same optimizer (SGD, no
   clipping), in losses, gradient norms and final parameters, with 1 server and (resumed) 2
-  servers, and with 4 workers over 2 servers against dp=4; ssp with staleness 0 is bsp exactly (2 servers, AdamW with global-norm clipping: the
-  servers exchange their partial norms);
+  servers, and with 4 workers over 2 servers against dp=4; ssp with staleness 0 is bsp exactly
+  (2 servers, AdamW with global-norm clipping: the servers exchange their partial norms);
 * ssp (τ=1) with a slowed worker never logs a staleness above τ, and one process replaying it
   from the versions each push recorded reproduces its losses and parameters; a worker killed
   mid-push (after its part reached server 0, before its commit) leaves nothing applied on either
