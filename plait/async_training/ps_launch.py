@@ -17,6 +17,7 @@ the only copy of its key range; `--resume` continues from the last server checkp
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import signal
@@ -34,6 +35,44 @@ def _child_env() -> None:
 
     warnings.filterwarnings("ignore", message=".*Backend.*as a ProcessGroup.*")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    _filter_stderr()
+
+
+# TensorPipe logs a warning in every process whose peer leaves (a finished worker, a server at
+# the end, a dead worker that the launcher reports itself): noise in every run. Its C++ log level
+# is read when torch loads, before this process existed, so the lines are filtered instead.
+_PEER_LEFT = (b"tensorpipe_agent.cpp", b"encountered error when reading incoming request")
+_STDERR: dict = {}
+
+
+def _filter_stderr() -> None:
+    """Route this process's fd 2 (C++ and Python alike) through a thread that drops TensorPipe's
+    peer-left warnings and passes every other line on."""
+    import threading
+
+    original = os.dup(2)
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def pump() -> None:
+        with os.fdopen(read, "rb", buffering=0) as src:
+            for line in iter(src.readline, b""):
+                if not all(mark in line for mark in _PEER_LEFT):
+                    os.write(original, line)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    _STDERR.update(original=original, thread=thread)
+
+
+def _restore_stderr() -> None:
+    """Give fd 2 back and let the filter pass on what it holds (before os._exit)."""
+    if not _STDERR:
+        return
+    sys.stderr.flush()
+    os.dup2(_STDERR["original"], 2)  # closes the pipe's last write end: the pump sees EOF
+    _STDERR["thread"].join(timeout=2.0)
 
 
 def _rpc_init(name: str, rank: int, world: int, rpc_port: int, timeout_s: float) -> None:
@@ -55,6 +94,22 @@ def _store(port: int, timeout_s: float):
     return TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def _unfiltered_on_error(entry):
+    """A child that raises prints its traceback (multiprocessing does) on the real stderr: the
+    filter's thread could not pass it on before the process exits."""
+
+    @functools.wraps(entry)
+    def run(*args):
+        try:
+            entry(*args)
+        except BaseException:
+            _restore_stderr()
+            raise
+
+    return run
+
+
+@_unfiltered_on_error
 def _server_entry(cfg_dict: dict, index: int, store_port: int, rpc_port: int, run_dir: str, start: int):
     from plait.async_training import param_server as ps
     from plait.models import GPT
@@ -77,6 +132,7 @@ def _server_entry(cfg_dict: dict, index: int, store_port: int, rpc_port: int, ru
     _leave()
 
 
+@_unfiltered_on_error
 def _worker_entry(cfg_dict: dict, w: int, store_port: int, rpc_port: int, run_dir: str, start: int):
     from plait.async_training.ps_worker import work
 
@@ -112,7 +168,7 @@ def _leave() -> None:
 
     rpc.shutdown(graceful=False)
     sys.stdout.flush()
-    sys.stderr.flush()
+    _restore_stderr()
     os._exit(0)
 
 
