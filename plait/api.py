@@ -61,7 +61,7 @@ def _settings(spec) -> dict:
         raw = dict(spec)
         unknown = [k for k in raw if k not in KEYS]
         if unknown:
-            near = difflib.get_close_matches(unknown[0], list(KEYS), n=1)
+            near = difflib.get_close_matches(unknown[0], list(KEYS), n=1, cutoff=0.5)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ConfigError(
                 f"parallelize: unknown key {unknown[0]!r} in mesh_or_config{hint}; "
@@ -361,6 +361,17 @@ def parallelize(
             "before wrapping would hold parameters that wrapping replaces"
         )
     owns_group = False
+    tp = mesh_or_config.size("tp") if isinstance(mesh_or_config, Mesh) else None
+    if tp is None and isinstance(mesh_or_config, Mapping):
+        tp = mesh_or_config.get("tp", 1)
+    elif tp is None and mesh_or_config is not None:
+        tp = getattr(mesh_or_config, "tp", 1)
+    if tp not in (None, 1) and tp_plan is None and not callable(getattr(model, "tp_plan", None)):
+        raise ConfigError(  # before any process group or mesh is made
+            f"parallelize: tp = {tp} needs layout rules for {type(model).__name__}: pass "
+            "tp_plan={module name pattern: Colwise() / Rowwise() ...} (plait.tensor_parallel) and "
+            "optionally layout_rules, or give the model a tp_plan() method; or set tp = 1"
+        )
     if isinstance(mesh_or_config, Mesh):
         mesh = mesh_or_config
         s = {
@@ -399,12 +410,6 @@ def _wrap(model, factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks, group
 
     model.to(mesh.device)
     if s["tp"] > 1:
-        if tp_plan is None and not callable(getattr(model, "tp_plan", None)):
-            raise ConfigError(
-                f"parallelize: tp = {s['tp']} needs layout rules for {type(model).__name__}: pass "
-                "tp_plan={module name pattern: Colwise() / Rowwise() ...} (plait.tensor_parallel) and "
-                "optionally layout_rules, or give the model a tp_plan() method; or set tp = 1"
-            )
         apply_tp(
             model,
             mesh,
