@@ -39,23 +39,30 @@ OPTIMIZERS = {
     "sgd": (lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9), 0.0),
     "adamw": (lambda p: torch.optim.AdamW(p, lr=3e-3), 0.5),
 }
-# name: (mesh_or_config, optimizer, micro-batches, tensor parallel)
+# name: (ranks, mesh_or_config, optimizer, micro-batches, tensor parallel)
 CASES = {
-    "dp2": ({"dp": 2}, "sgd", 1, False),
-    "dp2_zero1_accum": ({"zero_stage": 1}, "sgd", 2, False),
-    "dp2_zero3": ({"zero_stage": 3}, "adamw", 1, False),
-    "tp2": ({"tp": 2}, "sgd", 1, True),
+    "dp2": (2, {"dp": 2}, "sgd", 1, False),
+    "dp2_zero1_accum": (2, {"zero_stage": 1}, "sgd", 2, False),
+    "dp2_zero3": (2, {"zero_stage": 3}, "adamw", 1, False),
+    "tp2": (2, {"tp": 2}, "sgd", 1, True),
+    "dp2_tp2_zero2": (4, {"dp": 2, "tp": 2, "zero_stage": 2}, "sgd", 1, True),
+    "dp4_hybrid2_zero3": (4, {"zero_stage": 3, "hybrid_shard": 2}, "adamw", 2, False),
 }
-SAVED = "dp2_zero3"
+SAVED = "dp2_zero3"  # also steps a scheduler, saved with the checkpoint
 
 
-def _reference(opt: str, steps: int, snapshot_at: int | None = None):
+def _scheduler(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
+def _reference(opt: str, steps: int, snapshot_at: int | None = None, scheduler: bool = False):
     """One process, plain PyTorch: losses, gradient norms, final parameters, and the optimizer
     state by parameter name at step `snapshot_at`."""
     make, clip = OPTIMIZERS[opt]
     torch.manual_seed(0)
     model = ex.Net()
     optimizer = make(model.parameters())
+    sched = _scheduler(optimizer) if scheduler else None
     data = ex.make_data()
     losses, norms, snap = [], [], None
     for step in range(steps):
@@ -65,6 +72,8 @@ def _reference(opt: str, steps: int, snapshot_at: int | None = None):
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
+        if sched is not None:
+            sched.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
         if step + 1 == snapshot_at:
@@ -93,10 +102,14 @@ def _train(engine, data, start: int, steps: int, micro_batches: int = 1):
     return losses, norms
 
 
-def _two_ranks(ckpt: str) -> dict:
+def _cases(ckpt: str) -> dict:
+    import torch.distributed as dist
+
     out = {}
     data = ex.make_data()
-    for name, (config, opt, mb, tp) in CASES.items():
+    for name, (world, config, opt, mb, tp) in CASES.items():
+        if world != dist.get_world_size():
+            continue
         make, clip = OPTIMIZERS[opt]
         torch.manual_seed(0)
         model = ex.Net()
@@ -108,6 +121,7 @@ def _two_ranks(ckpt: str) -> dict:
             tp_plan=ex.TP_PLAN if tp else None,
             blocks=list(model.blocks),
             grad_clip=clip,
+            scheduler=_scheduler if name == SAVED else None,
         )
         losses, norms = _train(engine, data, 0, STEPS, mb)
         out[name] = {"losses": losses, "norms": norms, "params": engine.full_parameters()}
@@ -115,6 +129,8 @@ def _two_ranks(ckpt: str) -> dict:
         if name == SAVED:
             engine.save(ckpt)
         engine.close()
+    if dist.get_world_size() != 2:
+        return out
     errors = {}
     try:  # tp without layout rules
         plait.parallelize(ex.Net(), OPTIMIZERS["sgd"][0], {"tp": 2})
@@ -132,10 +148,12 @@ def _load_at_one(ckpt: str) -> dict:
     torch.manual_seed(123)  # another initialisation: every value must come from the checkpoint
     model = ex.Net()
     make, clip = OPTIMIZERS["adamw"]
-    engine = plait.parallelize(model, make, None, loss_fn=ex.loss_fn, grad_clip=clip)
+    engine = plait.parallelize(model, make, None, loss_fn=ex.loss_fn, grad_clip=clip, scheduler=_scheduler)
     step = engine.load(ckpt)
     out = {
         "step": step,
+        "lr": engine.optimizer.param_groups[0]["lr"],
+        "sched_epoch": engine.scheduler.last_epoch,
         "world": engine.world,
         "params": engine.full_parameters(),
         "optim": _optim_state(engine.unwrapped, engine.optimizer),
@@ -149,29 +167,33 @@ def _load_at_one(ckpt: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("custom-loop") / "ckpt")
-    two = run_ranks(_two_ranks, 2, args=(ckpt,), timeout=300)
+    two = run_ranks(_cases, 2, args=(ckpt,), timeout=300)
     one = run_ranks(_load_at_one, 1, args=(ckpt,), timeout=120)[0]
-    return two, one
+    four = run_ranks(_cases, 4, args=(ckpt,), timeout=300)
+    return two, one, four
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_two_ranks_follow_one_process(runs, name):
-    two, _ = runs
-    _, opt, _, _ = CASES[name]
-    losses, norms, params, _ = _reference(opt, STEPS)
-    for rank, got in enumerate(two):
+def test_parallel_ranks_follow_one_process(runs, name):
+    two, _, four = runs
+    world, config, opt, _, _ = CASES[name]
+    losses, norms, params, _ = _reference(opt, STEPS, scheduler=name == SAVED)
+    for rank, got in enumerate(two if world == 2 else four):
         r = got[name]
         assert_close_losses(r["losses"], losses, atol=1e-5, what=f"{name} rank {rank}")
         assert_close_grad_norms(r["norms"], norms, rtol=1e-5, what=f"{name} rank {rank}")
         assert_close_params(r["params"], params, atol=1e-5, what=f"{name} rank {rank}")
-        dp = 1 if CASES[name][3] else 2
-        assert r["info"] == (rank, 2, rank if dp == 2 else 0, dp, STEPS)
+        dp = config.get("dp", world // (2 if CASES[name][4] else 1))
+        tp = world // dp
+        assert r["info"] == (rank, world, rank // tp, dp, STEPS)
 
 
 def test_saved_at_two_ranks_loads_at_one(runs):
-    two, one = runs
-    losses, _, params, snap = _reference("adamw", STEPS + 4, snapshot_at=STEPS)
+    two, one, _ = runs
+    losses, _, params, snap = _reference("adamw", STEPS + 4, snapshot_at=STEPS, scheduler=True)
     assert one["world"] == 1 and one["step"] == STEPS
+    # the scheduler's position and the learning rate it set: 3e-3 halved every 3 steps
+    assert one["sched_epoch"] == STEPS and one["lr"] == pytest.approx(3e-3 * 0.5 ** (STEPS // 3))
     # the parameters are the ones the 2-rank run saved, exactly
     assert_close_params(one["params"], two[0][SAVED]["params"], atol=0.0, what="loaded")
     # the optimizer state is the one process's at that step (AdamW's moments and step)
@@ -183,7 +205,7 @@ def test_saved_at_two_ranks_loads_at_one(runs):
 
 
 def test_bad_input_is_one_clear_error(runs):
-    two, _ = runs
+    two, _, _ = runs
     errors = two[0]["errors"]
     assert (
         "tp = 2 needs layout rules for Net" in errors["tp_no_rules"] and "tp_plan=" in errors["tp_no_rules"]
