@@ -49,6 +49,8 @@ KEYS: dict[str, Any] = {
     "timeout_s": 300.0,
 }
 NOT_YET = {"pp": "pipelines", "ep": "expert parallelism"}
+# What a Mesh already fixes; the other keys are `options` beside a Mesh.
+SHAPE_KEYS = ("dp", "tp", "pp", "ep", "hybrid_shard", "device", "timeout_s")
 
 
 def _settings(spec) -> dict:
@@ -167,10 +169,11 @@ class ParallelModel:
         dp_rank, dp: this rank's coordinate on the data-parallel axis and its size (the batch
             is split dp ways; tp peers see the same rows).
         is_main: global rank 0 (print and write files there).
+        device: the device this rank computes on.
         steps: optimizer steps taken (restored by `load`).
     """
 
-    def __init__(self, engine, mesh, raw, *, loss_fn, grad_clip, scheduler, owns_group):
+    def __init__(self, engine, mesh, raw, *, loss_fn, grad_clip, scheduler, owns):
         self.engine = engine
         self.mesh = mesh
         self.model = engine.module
@@ -183,7 +186,8 @@ class ParallelModel:
         self.dp_rank, self.dp = mesh.rank("dp"), mesh.size("dp")
         self.is_main = mesh.is_rank0
         self.steps = 0
-        self._owns_group = owns_group
+        self.device = mesh.device
+        self._owns_group, self._owns_mesh = owns
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -214,7 +218,8 @@ class ParallelModel:
 
         Args:
             batch: this rank's part of the global batch (a tensor, or a tuple, list or dict of
-                tensors sharing their first dimension); every dp rank must hold the same number
+                tensors sharing their first dimension; moved to the rank's device, `device`);
+                every dp rank must hold the same number
                 of rows (use `shard` to cut a global batch). The loss must be the *mean* over the
                 rows it is given: the engine averages gradients over dp, so the gradient is then
                 exactly one process's on the global batch.
@@ -226,6 +231,7 @@ class ParallelModel:
 
         Returns the mean loss over the global batch (with average=True) as a float.
         """
+        batch = _map(batch, lambda t: t.to(self.device, non_blocking=True))
         parts = (
             [batch]
             if micro_batches == 1
@@ -286,10 +292,11 @@ class ParallelModel:
         return self.steps
 
     def close(self) -> None:
-        """Remove the engine's hooks, stop the mesh's watchdog, and destroy the process group
-        if `parallelize` created it."""
+        """Remove the engine's hooks; stop the mesh's watchdog and destroy the process group if
+        `parallelize` created them (a Mesh passed in stays open)."""
         self.engine.close()
-        self.mesh.close()
+        if self._owns_mesh:
+            self.mesh.close()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -305,6 +312,7 @@ def parallelize(
     optimizer_factory: Callable,
     mesh_or_config: Mesh | Mapping | Any = None,
     *,
+    options: Mapping | None = None,
     loss_fn: Callable | None = None,
     tp_plan: dict | None = None,
     layout_rules: dict | None = None,
@@ -336,6 +344,9 @@ def parallelize(
             collective pending longer is reported as a hang). pp and ep must be 1. None means
             {} (data parallel over every rank). The process group is initialised from the
             launcher's environment (RANK, WORLD_SIZE, ...) when none is, or as a group of one.
+        options: the keys above that a Mesh does not fix (zero_stage, sequence_parallel,
+            bucket_mb, mixed_precision, activation_checkpointing), given beside a Mesh; beside
+            a dict they are merged into it.
         loss_fn: `loss_fn(model, batch) -> scalar`, the mean loss over the batch's rows;
             default: the model's own output, called as model(*batch), model(**batch) or
             model(batch), which must then be that scalar.
@@ -360,7 +371,7 @@ def parallelize(
             "it is given, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3); an optimizer built "
             "before wrapping would hold parameters that wrapping replaces"
         )
-    owns_group = False
+    owns_group, owns_mesh = False, not isinstance(mesh_or_config, Mesh)
     tp = mesh_or_config.size("tp") if isinstance(mesh_or_config, Mesh) else None
     if tp is None and isinstance(mesh_or_config, Mapping):
         tp = mesh_or_config.get("tp", 1)
@@ -372,20 +383,25 @@ def parallelize(
             "tp_plan={module name pattern: Colwise() / Rowwise() ...} (plait.tensor_parallel) and "
             "optionally layout_rules, or give the model a tp_plan() method; or set tp = 1"
         )
+    options = dict(options or {})
     if isinstance(mesh_or_config, Mesh):
         mesh = mesh_or_config
-        s = {
-            **KEYS,
-            "dp": mesh.size("dp"),
-            "tp": mesh.size("tp"),
-            "pp": mesh.size("pp"),
-            "ep": mesh.size("ep"),
-        }
-        s = _settings({k: v for k, v in s.items() if k != "device"})
+        fixed = [k for k in options if k in SHAPE_KEYS]
+        if fixed:
+            allowed = ", ".join(k for k in KEYS if k not in SHAPE_KEYS)
+            raise ConfigError(
+                f"parallelize: options key {fixed[0]!r} is fixed by the Mesh given; pass a dict instead "
+                f"of a Mesh to choose it, or only these options: {allowed}"
+            )
+        sizes = {a: mesh.size(a) for a in ("dp", "tp", "pp", "ep")}
+        s = _settings({**sizes, **options})
         if mesh.has_axis("dp_shard"):
             s["hybrid_shard"] = mesh.size("dp_shard")
     else:
-        s = _settings(mesh_or_config if mesh_or_config is not None else {})
+        spec = mesh_or_config if mesh_or_config is not None else {}
+        if options:  # beside a dict or ParallelConfig: merged into it
+            spec = {**(_settings(spec) if dataclasses.is_dataclass(spec) else spec), **options}
+        s = _settings(spec)
         device, owns_group = _init_group(s["device"])
         world = dist.get_world_size()
         tp = s["tp"]
@@ -400,7 +416,7 @@ def parallelize(
         s["dp"] = dp
         mesh = Mesh(dp=dp, tp=tp, device=device, timeout_s=s["timeout_s"], dp_shard=s["hybrid_shard"] or None)
     return _wrap(model, optimizer_factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks,
-                 param_groups, grad_clip, scheduler, seed, owns_group)  # fmt: skip
+                 param_groups, grad_clip, scheduler, seed, (owns_group, owns_mesh))  # fmt: skip
 
 
 def _wrap(model, factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks, groups, clip, sched, seed, owns):
@@ -444,6 +460,4 @@ def _wrap(model, factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks, group
     engine = zero.wrap(
         model, mesh, s["zero_stage"], factory, param_groups=groups, bucket_mb=s["bucket_mb"], **extra
     )
-    return ParallelModel(
-        engine, mesh, model, loss_fn=loss_fn, grad_clip=clip, scheduler=sched, owns_group=owns
-    )
+    return ParallelModel(engine, mesh, model, loss_fn=loss_fn, grad_clip=clip, scheduler=sched, owns=owns)

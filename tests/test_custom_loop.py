@@ -45,6 +45,14 @@ CASES = {
     "dp2_zero1_accum": (2, {"zero_stage": 1}, "sgd", 2, False),
     "dp2_zero3": (2, {"zero_stage": 3}, "adamw", 1, False),
     "tp2": (2, {"tp": 2}, "sgd", 1, True),
+    # a Mesh built by the user, the training options beside it; recomputing the blocks
+    "mesh_dp2_zero2_recompute": (
+        2,
+        {"mesh": True, "zero_stage": 2, "activation_checkpointing": True},
+        "sgd",
+        1,
+        False,
+    ),
     "dp2_tp2_zero2": (4, {"dp": 2, "tp": 2, "zero_stage": 2}, "sgd", 1, True),
     "dp4_hybrid2_zero3": (4, {"zero_stage": 3, "hybrid_shard": 2}, "adamw", 2, False),
 }
@@ -113,10 +121,15 @@ def _cases(ckpt: str) -> dict:
         make, clip = OPTIMIZERS[opt]
         torch.manual_seed(0)
         model = ex.Net()
+        options = None
+        if config.get("mesh"):
+            options = {k: v for k, v in config.items() if k != "mesh"}
+            config = plait.Mesh(dp=world)
         engine = plait.parallelize(
             model,
             make,
             config,
+            options=options,
             loss_fn=ex.loss_fn,
             tp_plan=ex.TP_PLAN if tp else None,
             blocks=list(model.blocks),
@@ -126,9 +139,12 @@ def _cases(ckpt: str) -> dict:
         losses, norms = _train(engine, data, 0, STEPS, mb)
         out[name] = {"losses": losses, "norms": norms, "params": engine.full_parameters()}
         out[name]["info"] = (engine.rank, engine.world, engine.dp_rank, engine.dp, engine.steps)
+        out[name]["recomputed"] = sum(bool(getattr(b, "_plait_recompute", False)) for b in model.blocks)
         if name == SAVED:
             engine.save(ckpt)
         engine.close()
+        if options is not None:
+            config.close()  # the Mesh is the caller's to close
     if dist.get_world_size() != 2:
         return out
     errors = {}
@@ -140,6 +156,12 @@ def _cases(ckpt: str) -> dict:
         plait.parallelize(ex.Net(), OPTIMIZERS["sgd"][0], {"dp": 4})
     except ConfigError as exc:
         errors["dp4"] = str(exc)
+    mesh = plait.Mesh(dp=2)
+    try:  # a Mesh fixes dp
+        plait.parallelize(ex.Net(), OPTIMIZERS["sgd"][0], mesh, options={"dp": 2})
+    except ConfigError as exc:
+        errors["mesh_dp"] = str(exc)
+    mesh.close()
     out["errors"] = errors
     return out
 
@@ -183,6 +205,7 @@ def test_parallel_ranks_follow_one_process(runs, name):
         assert_close_losses(r["losses"], losses, atol=1e-5, what=f"{name} rank {rank}")
         assert_close_grad_norms(r["norms"], norms, rtol=1e-5, what=f"{name} rank {rank}")
         assert_close_params(r["params"], params, atol=1e-5, what=f"{name} rank {rank}")
+        assert r["recomputed"] == (2 if config.get("activation_checkpointing") else 0)
         dp = config.get("dp", world // (2 if CASES[name][4] else 1))
         tp = world // dp
         assert r["info"] == (rank, world, rank // tp, dp, STEPS)
@@ -211,6 +234,7 @@ def test_bad_input_is_one_clear_error(runs):
         "tp = 2 needs layout rules for Net" in errors["tp_no_rules"] and "tp_plan=" in errors["tp_no_rules"]
     )
     assert "dp = 4 x tp = 1 is 4 ranks but the world size is 2" in errors["dp4"]
+    assert "options key 'dp' is fixed by the Mesh given" in errors["mesh_dp"]
     make = OPTIMIZERS["sgd"][0]
     # refused before any process group exists
     with pytest.raises(ConfigError, match=r"unknown key 'dq' in mesh_or_config \(did you mean 'dp'\?\)"):
