@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm, zero
+from plait.data.batch import map_tensors, split_batch
 from plait.errors import ConfigError
 from plait.mesh import Mesh, backend_for, default_device, init_distributed
 
@@ -119,39 +120,6 @@ class _NoState:
         pass
 
 
-def _map(batch, fn):
-    """`fn` applied to every tensor of a batch (a tensor, or tuples, lists and dicts of them)."""
-    if torch.is_tensor(batch):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        return type(batch)({k: _map(v, fn) for k, v in batch.items()})
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_map(v, fn) for v in batch)
-    return batch  # a non-tensor leaf (a flag, a string) goes to every part unchanged
-
-
-def _rows(batch) -> int:
-    """The rows (dim 0) of a batch's tensors, which must agree."""
-    found = set()
-    _map(batch, lambda t: found.add(t.shape[0] if t.dim() else None))
-    found.discard(None)
-    if len(found) != 1:
-        raise ConfigError(
-            f"a batch's tensors must share their first dimension (rows) to be split; found {sorted(found)}"
-        )
-    return found.pop()
-
-
-def split_batch(batch, parts: int, index: int):
-    """Rows [index * n / parts, (index + 1) * n / parts) of every tensor of `batch` (n rows, which
-    `parts` must divide): rank `index`'s share of a global batch, or a micro-batch."""
-    n = _rows(batch)
-    if n % parts:
-        raise ConfigError(f"a batch of {n} rows does not split into {parts} equal parts: make it a multiple")
-    k = n // parts
-    return _map(batch, lambda t: t[index * k : (index + 1) * k])
-
-
 class ParallelModel:
     """What `parallelize` returns: the model wrapped for its layout, its optimizer, and one
     training step as `forward_backward(batch)` then `step()`.
@@ -231,7 +199,7 @@ class ParallelModel:
 
         Returns the mean loss over the global batch (with average=True) as a float.
         """
-        batch = _map(batch, lambda t: t.to(self.device, non_blocking=True))
+        batch = map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
         parts = (
             [batch]
             if micro_batches == 1
