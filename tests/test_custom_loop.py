@@ -241,6 +241,10 @@ def test_bad_input_is_one_clear_error(runs):
         plait.parallelize(ex.Net(), make, {"dq": 2})
     with pytest.raises(ConfigError, match="pp = 2: pipelines are not offered by plait.parallelize"):
         plait.parallelize(ex.Net(), make, {"pp": 2})
+    from plait.train.config import ParallelConfig
+
+    with pytest.raises(ConfigError, match="pp = 2: pipelines are not offered"):  # plait train's section
+        plait.parallelize(ex.Net(), make, ParallelConfig(pp=2))
     with pytest.raises(ConfigError, match="zero_stage = 4"):
         plait.parallelize(ex.Net(), make, {"zero_stage": 4})
     model = ex.Net()
