@@ -44,7 +44,7 @@ CASES = {
     "dp2": (2, {"dp": 2}, "sgd", 1, False),
     "dp2_zero1_accum": (2, {"zero_stage": 1}, "sgd", 2, False),
     "dp2_zero3": (2, {"zero_stage": 3}, "adamw", 1, False),
-    "tp2": (2, {"tp": 2}, "sgd", 1, True),
+    "tp2_zero1": (2, {"tp": 2, "zero_stage": 1}, "sgd", 1, True),
     # a Mesh built by the user, the training options beside it; recomputing the blocks
     "mesh_dp2_zero2_recompute": (
         2,
@@ -57,6 +57,7 @@ CASES = {
     "dp4_hybrid2_zero3": (4, {"zero_stage": 3, "hybrid_shard": 2}, "adamw", 2, False),
 }
 SAVED = "dp2_zero3"  # also steps a scheduler, saved with the checkpoint
+SAVED_TP = "tp2_zero1"  # ZeRO over a dp axis of 1 beside tp: replicated tensors saved once
 
 
 def _scheduler(optimizer):
@@ -142,6 +143,8 @@ def _cases(ckpt: str) -> dict:
         out[name]["recomputed"] = sum(bool(getattr(b, "_plait_recompute", False)) for b in model.blocks)
         if name == SAVED:
             engine.save(ckpt)
+        if name == SAVED_TP:
+            engine.save(ckpt + "-tp")
         engine.close()
         if options is not None:
             config.close()  # the Mesh is the caller's to close
@@ -182,6 +185,12 @@ def _load_at_one(ckpt: str) -> dict:
     }
     out["losses"], _ = _train(engine, ex.make_data(), step, 4)
     out["final"] = engine.full_parameters()
+    engine.close()
+    model = ex.Net()
+    engine = plait.parallelize(model, OPTIMIZERS["sgd"][0], None, loss_fn=ex.loss_fn)
+    out["tp_step"] = engine.load(ckpt + "-tp")
+    out["tp_params"] = engine.full_parameters()
+    out["tp_optim"] = _optim_state(engine.unwrapped, engine.optimizer)
     engine.close()
     return out
 
@@ -225,6 +234,15 @@ def test_saved_at_two_ranks_loads_at_one(runs):
     # and training continues as the uninterrupted run
     assert_close_losses(one["losses"], losses[STEPS:], atol=1e-5, what="resumed at 1")
     assert_close_params(one["final"], params, atol=1e-5, what="resumed at 1")
+
+
+def test_saved_at_tp2_loads_at_one(runs):
+    two, one, _ = runs
+    _, _, _, snap = _reference("sgd", STEPS, snapshot_at=STEPS)
+    assert one["tp_step"] == STEPS
+    assert_close_params(one["tp_params"], two[0][SAVED_TP]["params"], atol=0.0, what="loaded from tp2")
+    assert set(one["tp_optim"]) == set(snap)  # SGD's momentum buffers, whole again
+    assert_close_params(one["tp_optim"], snap, atol=1e-5, what="momentum from tp2")
 
 
 def test_bad_input_is_one_clear_error(runs):
