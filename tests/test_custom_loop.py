@@ -192,7 +192,27 @@ def _load_at_one(ckpt: str) -> dict:
     out["tp_params"] = engine.full_parameters()
     out["tp_optim"] = _optim_state(engine.unwrapped, engine.optimizer)
     engine.close()
+    # no loss_fn: the model's own output is the loss, called as model(*batch)
+    torch.manual_seed(0)
+    engine = plait.parallelize(_WithLoss(ex.Net()), OPTIMIZERS["sgd"][0], {})
+    out["own_loss"] = engine.forward_backward(ex.global_batch(ex.make_data(), 0, ROWS))
+    engine.close()
+    engine = plait.parallelize(ex.Net(), OPTIMIZERS["sgd"][0], {})
+    try:  # logits are not a loss
+        engine.forward_backward(ex.global_batch(ex.make_data(), 0, ROWS)[0])
+    except ConfigError as exc:
+        out["not_scalar"] = str(exc)
+    engine.close()
     return out
+
+
+class _WithLoss(torch.nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        return ex.loss_fn(self.net, (x, y))
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +263,13 @@ def test_saved_at_tp2_loads_at_one(runs):
     assert_close_params(one["tp_params"], two[0][SAVED_TP]["params"], atol=0.0, what="loaded from tp2")
     assert set(one["tp_optim"]) == set(snap)  # SGD's momentum buffers, whole again
     assert_close_params(one["tp_optim"], snap, atol=1e-5, what="momentum from tp2")
+
+
+def test_model_returning_its_loss(runs):
+    _, one, _ = runs
+    losses, _, _, _ = _reference("sgd", 1)
+    assert one["own_loss"] == pytest.approx(losses[0], abs=1e-6)
+    assert "forward_backward needs a scalar loss, got (32, 4)" in one["not_scalar"]
 
 
 def test_bad_input_is_one_clear_error(runs):
