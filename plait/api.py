@@ -197,6 +197,9 @@ class ParallelModel:
             average: return the loss averaged over dp (one scalar all-reduce); False returns
                 this rank's own mean loss without communicating.
 
+        Call `step()` before the next `forward_backward`: the gradients of one step are
+        synchronised once, so accumulate with `micro_batches`, not with repeated calls.
+
         Returns the mean loss over the global batch (with average=True) as a float.
         """
         batch = map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
