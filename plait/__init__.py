@@ -1,6 +1,7 @@
 """plait: distributed training of PyTorch models, composable, verified and measured."""
 
 from plait import comm
+from plait.api import ParallelModel, parallelize
 from plait.data_parallel import DataParallel
 from plait.errors import CheckpointError, CommError, ConfigError, DataParallelError, PlaitError, TopologyError
 from plait.mesh import Mesh, init_distributed
@@ -14,8 +15,10 @@ __all__ = [
     "DataParallel",
     "DataParallelError",
     "Mesh",
+    "ParallelModel",
     "PlaitError",
     "TopologyError",
     "comm",
     "init_distributed",
+    "parallelize",
 ]

@@ -5,6 +5,7 @@ plait export RUN_DIR [--out model.safetensors] [--step N] [--dtype fp32|bf16]
 plait estimate (--params N | --model NAME) [--dp N] [--zero-stage S] ... [--json]
 plait schedule --kind KIND --stages P --microbatches M [--virtual-stages V] [--costs F,B,W] [--comm C]
                [--out timeline.png] [--json]
+plait launch [--nproc N] SCRIPT.py [ARGS ...]
 plait hogwild [--workers N] [--updates U] [--batch B] [--lock] [--optimizer adagrad|sgd] [--lr LR]
               [--features F] [--out DIR] [--json]
 """
@@ -474,6 +475,41 @@ def _hogwild(argv: list[str]) -> int:
     return 0
 
 
+def _launch(argv: list[str]) -> int:
+    """Run a user's script on N local ranks with torch's elastic launcher (what `torchrun
+    --standalone --nproc-per-node N` does): each rank gets RANK, WORLD_SIZE, LOCAL_RANK and the
+    rendezvous address in its environment, which `plait.parallelize` reads."""
+    parser = argparse.ArgumentParser(
+        prog="plait launch",
+        description="Run SCRIPT on N local processes (ranks), as torchrun --standalone does; a script "
+        "written with plait.parallelize trains on all of them (docs/your-model.md).",
+    )
+    parser.add_argument("--nproc", type=int, default=1, help="processes (ranks) on this machine (default 1)")
+    parser.add_argument("script", help="the Python script each rank runs")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+    if not Path(args.script).is_file():
+        raise ConfigError(f"plait launch: no script {args.script!r}")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    torchrun = get_args_parser().parse_args(
+        ["--standalone", "--nproc-per-node", str(args.nproc), args.script, *args.args]
+    )
+    try:
+        run(torchrun)
+    except ChildFailedError as exc:  # the ranks' tracebacks were printed as they failed
+        ranks = ", ".join(str(r) for r in sorted(exc.failures))
+        print(f"plait launch: {args.script} failed on rank(s) {ranks}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _check_writable_file(path: str, option: str) -> None:
     """`path` can be written: its directory exists and takes a new file (probed, then removed)."""
     import tempfile
@@ -512,6 +548,7 @@ COMMANDS = {
     "estimate": _estimate,
     "schedule": _schedule,
     "hogwild": _hogwild,
+    "launch": _launch,
 }
 
 
@@ -524,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         help="train: run training; export: a run's model as one safetensors file (plait export --help); "
         "estimate: per-device memory of ZeRO (plait estimate --help); "
         "schedule: simulate a pipeline schedule (plait schedule --help); "
-        "hogwild: lock-free SGD on shared memory (plait hogwild --help)",
+        "hogwild: lock-free SGD on shared memory (plait hogwild --help); "
+        "launch: run your own script on N ranks, like torchrun (plait launch --help)",
     )
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

@@ -61,6 +61,13 @@ def _sharded(chunks: list, shape: torch.Size, group):
     ranks of `group` hold the rest (ShardedTensor, which DCP saves and reshards)."""
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
 
+    if group is None and dist.get_world_size() > 1:
+        # The shard axis has one rank (dp = 1 beside tp): this rank holds the whole tensor, as its
+        # tp peers do, so it is saved as a plain (replicated) tensor, which DCP writes once. A
+        # ShardedTensor over the default group would see the peers' identical boxes as overlaps.
+        held = [t for _, t in chunks if t.numel()]
+        if len(held) == 1 and tuple(held[0].shape) == tuple(shape):
+            return held[0]
     rank = dist.get_rank()
     shards = [
         Shard(t, ShardMetadata(list(off), list(t.shape), f"rank:{rank}/{t.device}"))
