@@ -42,6 +42,9 @@ class ModelConfig:
     d_model: int | None = _f(None, "hidden size h (default: from the named size)")
     d_ff: int | None = _f(None, "MLP inner size (default: 4 x d_model)")
     seq_len: int | None = _f(None, "context length in tokens (default: from the named size)")
+    vocab_size: int | None = _f(
+        None, "token ids (default: from the named size; 256 bytes for the corpora of plait.data)"
+    )
     dropout: float = _f(0.0, "dropout probability on attention, residual and embedding outputs")
     tie_weights: bool = _f(True, "share the token embedding with the output head")
     experts: int = _f(0, "experts per mixture-of-experts layer (plait.moe); 0 = a dense model")
@@ -403,6 +406,7 @@ _BOUNDS = {
     ),
     **dict.fromkeys(
         ("model.n_layer", "model.n_head", "model.d_model", "model.d_ff", "model.seq_len", "model.experts")
+        + ("model.vocab_size",)
         + ("model.moe_every", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep")
         + ("parallel.microbatches", "parallel.virtual_stages", "parallel.hybrid_shard")
         + ("train.global_batch", "train.micro_batches", "train.eval_batches", "comm.powersgd_rank")
@@ -431,8 +435,11 @@ def _check_bounds(cfg: Config) -> None:
     )
 
 
-def validate(cfg: Config) -> None:
-    """Reject inconsistent values with a message that says what to change."""
+def validate(cfg: Config, data: bool = True) -> None:
+    """Reject inconsistent values with a message that says what to change.
+
+    ``data=False`` leaves out the one check that reads the corpus on this machine (that it holds a
+    global batch); the planner validates layouts for clusters whose data is elsewhere."""
     _check_bounds(cfg)
     t, p = cfg.train, cfg.parallel
     for name in ("dp", "tp", "pp", "ep"):
@@ -493,7 +500,7 @@ def validate(cfg: Config) -> None:
     base = gpt_config(cfg.model.name)  # an unknown name is an error listing the valid ones
     sizes = {
         k: getattr(cfg.model, k) if getattr(cfg.model, k) is not None else getattr(base, k)
-        for k in ("n_layer", "n_head", "d_model", "seq_len")
+        for k in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size")
     }
     for name, value in sizes.items():
         _require(value >= 1, f"model.{name} must be >= 1, got {value}")
@@ -502,7 +509,13 @@ def validate(cfg: Config) -> None:
         f"model.d_model = {sizes['d_model']} is not divisible by model.n_head = {sizes['n_head']}",
     )
     m = model_config(cfg)
-    _check_data_fits(cfg, m.seq_len)
+    if data:
+        _require(
+            m.vocab_size >= 256,
+            f"model.vocab_size = {m.vocab_size} is below the 256 byte values of plait's corpora: "
+            "use model.vocab_size >= 256",
+        )
+        _check_data_fits(cfg, m.seq_len)
     _require(m.n_head % p.tp == 0, f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}")
     _require(m.ff_dim % p.tp == 0, f"model.d_ff = {m.ff_dim} is not divisible by parallel.tp = {p.tp}")
     _require(
@@ -831,7 +844,7 @@ def model_config(cfg: Config):
     m = cfg.model
     overrides = {
         k: getattr(m, k)
-        for k in ("n_layer", "n_head", "d_model", "d_ff", "seq_len")
+        for k in ("n_layer", "n_head", "d_model", "d_ff", "seq_len", "vocab_size")
         if getattr(m, k) is not None
     }
     moe = {
