@@ -71,7 +71,9 @@ class Layout:
             parts.append("sp")
         parts.append(f"b{self.microbatch_size}x{self.microbatches}")
         if self.pp > 1:
-            parts.append(self.schedule + (f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+            parts.append(
+                self.schedule + (f"-v{self.virtual_stages}" if self.schedule == "interleaved" else "")
+            )
         if self.recompute:
             parts.append("rc")
         if self.offload != "none":
