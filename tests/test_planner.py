@@ -18,7 +18,7 @@ from plait.pipeline.simulate import Costs, simulate
 from plait.planner.cluster import PRESETS, axis_links, load_cluster
 from plait.planner.cost import Layout, evaluate, stage_params
 from plait.planner.search import check_runnable, layout_config, load_plan_config, plan
-from plait.planner.stages import _GENERATORS, brute_force_stages, inter_op_dp, pipeline_time
+from plait.planner.stages import _GENERATORS, balanced_stages, brute_force_stages, inter_op_dp, pipeline_time
 from plait.train.config import validate
 from plait.zero.estimate import activation_bytes, dtype_preset, model_state_bytes_formula
 
@@ -167,3 +167,25 @@ def test_cluster_file_and_axis_placement(tmp_path):
     path.write_text('gpus_per_node = 4\npeak_tflops = "fast"\nmemory_gb = 1\n[intra]\n[inter]\n')
     with pytest.raises(Exception, match="peak_tflops must be a number"):
         load_cluster(str(path))
+
+
+def test_balanced_stages_take_blocks_off_the_stage_with_the_logits():
+    got = balanced_stages(block_s=1.0, head_s=3.0, n_layers=8, n_stages=4, microbatches=8)
+    assert got["uniform_t_star_s"] == 8 + 3 + 7 * 5  # stages 2, 2, 2, 2 + 3
+    assert got["t_star_s"] == 8 + 3 + 7 * 4 and got["bounds"][-2] == 7  # the last stage: 1 block + head
+    assert got["t_star_s"] == brute_force_stages(lambda i, j: (j - i) + 3.0 * (j == 8), 8, 4, 8)[0]
+
+
+def test_model_vocab_size_is_a_config_key():
+    from plait.errors import ConfigError
+    from plait.train.config import load_config, model_config
+
+    assert model_config(load_config(None, [("model.vocab_size", "512")])).vocab_size == 512
+    assert model_config(load_config(None, [])).vocab_size == 256  # the named size's
+    with pytest.raises(ConfigError, match="below the 256 byte values"):
+        load_config(None, [("model.vocab_size", "100")])
+    with pytest.raises(ConfigError, match="out of range"):
+        load_config(None, [("model.vocab_size", str(2**21))])
+    # Planning does not read the corpus: a 175B GPT's batch need not fit this machine's text.
+    base = load_plan_config(None, [("model.vocab_size", "51200"), ("model.seq_len", "2048")])
+    assert model_config(base).vocab_size == 51200

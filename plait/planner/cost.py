@@ -258,6 +258,8 @@ def evaluate(
         "reason": "",
         "terms": {
             "compute_s": m * (f + b_ + w_ + head_f + head_b),
+            "block_s": (f + b_ + w_ + comm_f + comm_b) / k,  # one block, one micro-batch, with tp/ep
+            "head_s": head_f + head_b,
             "tp_ep_s": m * (comm_f + comm_b),
             "p2p_s": p2p,
             "pipeline_s": body,

@@ -31,7 +31,7 @@ from plait.errors import ConfigError
 from plait.models.gpt import GPTConfig
 from plait.planner.cluster import Cluster
 from plait.planner.cost import Layout, evaluate
-from plait.planner.stages import PLANNED_SCHEDULES
+from plait.planner.stages import PLANNED_SCHEDULES, balanced_stages
 
 MAX_MICROBATCH = 16
 MAX_ZBV_PP = 16
@@ -223,6 +223,12 @@ def plan(
         best.append(result)
         best.sort(key=lambda r: r["step_s"])
         del best[top:]
+    for r in best:  # Alpa's inter-operator DP on the listed pipelines (plait train runs the uniform cut)
+        if r["pp"] > 1:
+            n = r["pp"] * r["virtual_stages"]
+            r["stages"] = balanced_stages(
+                r["terms"]["block_s"], r["terms"]["head_s"], cfg.n_layer, n, r["microbatches"]
+            )
     rejected.sort(key=lambda r: r["step_s"])
     return {
         "plans": best + rejected[:infeasible],
@@ -240,4 +246,8 @@ def plan_summary(result: dict) -> dict:
     keep = ("layout", "dp", "tp", "pp", "ep", "zero_stage", "hybrid_shard", "sequence_parallel")
     keep += ("microbatch_size", "microbatches", "schedule", "virtual_stages", "recompute", "offload")
     keep += ("feasible", "reason", "step_s", "tflops_per_device", "mfu", "memory_gb", "bubble", "comm_share")
-    return {k: result[k] for k in keep} | {"terms": result["terms"]}
+    return (
+        {k: result[k] for k in keep}
+        | {"terms": result["terms"]}
+        | ({"stages": result["stages"]} if "stages" in result else {})
+    )

@@ -72,6 +72,24 @@ def inter_op_dp(cost: Callable[[int, int], float], n_layers: int, n_stages: int,
     return best, best_bounds
 
 
+def balanced_stages(block_s: float, head_s: float, n_layers: int, n_stages: int, microbatches: int) -> dict:
+    """Alpa's DP over plait's GPT: blocks of equal cost, the logits on the stage holding the last
+    block. Returns the DP's cut points and T*, beside T* of the uniform cut that `plait train`
+    runs (equal block counts)."""
+
+    def cost(i: int, j: int) -> float:
+        return (j - i) * block_s + (head_s if j == n_layers else 0.0)
+
+    t_star, bounds = inter_op_dp(cost, n_layers, n_stages, microbatches)
+    step = n_layers // n_stages
+    uniform = [cost(i, i + step) for i in range(0, n_layers, step)]
+    return {
+        "bounds": bounds,
+        "t_star_s": t_star,
+        "uniform_t_star_s": sum(uniform) + (microbatches - 1) * max(uniform),
+    }
+
+
 def brute_force_stages(cost: Callable[[int, int], float], n_layers: int, n_stages: int, microbatches: int):
     """Every partition of the layers into contiguous stages, the least T*: the DP's checker."""
     best, best_bounds = math.inf, None
