@@ -202,27 +202,40 @@ def plan(
             lb["reason"] = lb["reason"].replace("needs", "needs at least", 1)
             rejected.append(lb)
     bounds.sort(key=lambda x: x[0])
-    best: list[dict] = []
-    evaluated = 0
-    for lb_step, lay in bounds:
-        if len(best) >= top and lb_step >= best[-1]["step_s"]:
-            break
-        evaluated += 1
-        result = evaluate(cfg, global_batch, lay, cluster, optimizer=optimizer)
-        enters = len(best) < top or result["step_s"] < best[-1]["step_s"]
-        if result["feasible"] and not enters:
-            continue  # priced, feasible, slower than the top K: not listed
-        # plait's own validation (it builds and checks the schedule): only for plans that enter the top.
-        if result["feasible"] and base is not None:
-            reason = check_runnable(base, lay)
+    # Branch and bound on the lower bounds; plait's own validation (which builds and checks each
+    # pipeline schedule, seconds for a long one) runs on the final top K only. A plan it refuses is
+    # rejected with plait's message and the search runs again without it (rare: the enumeration
+    # follows the same rules).
+    priced: dict[Layout, dict] = {}
+    refused: set[Layout] = set()
+    while True:
+        best: list[dict] = []
+        for lb_step, lay in bounds:
+            if len(best) >= top and lb_step >= best[-1]["step_s"]:
+                break
+            if lay in refused:
+                continue
+            if lay not in priced:
+                priced[lay] = evaluate(cfg, global_batch, lay, cluster, optimizer=optimizer)
+                if not priced[lay]["feasible"]:
+                    rejected.append(priced[lay])
+            result = priced[lay]
+            if result["feasible"] and (len(best) < top or result["step_s"] < best[-1]["step_s"]):
+                best.append(result)
+                best.sort(key=lambda r: r["step_s"])
+                del best[top:]
+        fresh = False
+        for r in best:
+            lay = next(k for k, v in priced.items() if v is r)
+            reason = check_runnable(base, lay) if base is not None else ""
             if reason:
-                result["feasible"], result["reason"] = False, reason
-        if not result["feasible"]:
-            rejected.append(result)
-            continue
-        best.append(result)
-        best.sort(key=lambda r: r["step_s"])
-        del best[top:]
+                r["feasible"], r["reason"] = False, reason
+                refused.add(lay)
+                rejected.append(r)
+                fresh = True
+        if not fresh:
+            break
+    evaluated = len(priced)
     for r in best:  # Alpa's inter-operator DP on the listed pipelines (plait train runs the uniform cut)
         if r["pp"] > 1:
             n = r["pp"] * r["virtual_stages"]

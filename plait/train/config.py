@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import tomllib
@@ -626,7 +627,7 @@ def _validate_momentum_target(cfg: Config) -> None:
 
 def _validate_pipeline(cfg: Config, n_layer: int) -> None:
     """Pipeline settings (plait.pipeline): checked here, before any process starts."""
-    from plait.pipeline.schedules import SCHEDULES, make_schedule
+    from plait.pipeline.schedules import SCHEDULES
 
     p, t = cfg.parallel, cfg.train
     _require(
@@ -644,12 +645,9 @@ def _validate_pipeline(cfg: Config, n_layer: int) -> None:
         f"range: at most {MAX_PIPELINE_ACTIONS:,} (the schedule is built and checked action by action, "
         "before start and on every rank); lower parallel.microbatches",
     )
-    try:
-        make_schedule(p.schedule, p.pp, m, v)
-    except ConfigError as exc:
-        raise ConfigError(
-            f"[parallel] pp = {p.pp}, schedule = {p.schedule!r}, microbatches = {m}: {exc}"
-        ) from None
+    problem = _schedule_problem(p.schedule, p.pp, m, v)
+    if problem:
+        raise ConfigError(f"[parallel] pp = {p.pp}, schedule = {p.schedule!r}, microbatches = {m}: {problem}")
     n = p.pp * v
     if n_layer % n:
         valid = [k for k in range(1, n_layer + 1) if n_layer % k == 0]
@@ -675,6 +673,19 @@ def _validate_pipeline(cfg: Config, n_layer: int) -> None:
         f"parallel.pp = {p.pp} with offload.optimizer = {cfg.offload.optimizer!r} is not available yet; "
         "set offload.optimizer = 'none'",
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_problem(kind: str, pp: int, m: int, v: int) -> str:
+    """'' if the schedule builds and checks, else why not. Cached: building and checking a long
+    schedule takes seconds, and the planner validates many layouts that share one."""
+    from plait.pipeline.schedules import make_schedule
+
+    try:
+        make_schedule(kind, pp, m, v)
+    except ConfigError as exc:
+        return str(exc)
+    return ""
 
 
 def pipeline_shape(cfg: Config) -> tuple[int, int]:
