@@ -19,7 +19,7 @@ from plait.planner.cluster import PRESETS, axis_links, load_cluster
 from plait.planner.cost import Layout, evaluate, stage_params
 from plait.planner.search import check_runnable, layout_config, load_plan_config, plan
 from plait.planner.stages import _GENERATORS, balanced_stages, brute_force_stages, inter_op_dp, pipeline_time
-from plait.train.config import validate
+from plait.train.config import model_config, validate
 from plait.zero.estimate import activation_bytes, dtype_preset, model_state_bytes_formula
 
 A100 = PRESETS["dgx-a100"]
@@ -189,3 +189,17 @@ def test_model_vocab_size_is_a_config_key():
     # Planning does not read the corpus: a 175B GPT's batch need not fit this machine's text.
     base = load_plan_config(None, [("model.vocab_size", "51200"), ("model.seq_len", "2048")])
     assert model_config(base).vocab_size == 51200
+
+
+def test_a_plan_plait_refuses_is_rejected_and_the_search_goes_on():
+    # Gradient compression needs fp32 gradients from ZeRO stage 1 on, and plans train in bf16: plait
+    # refuses those layouts. The enumeration does not know that rule, so plait's validation must
+    # catch every such plan and the search refill the top K with others.
+    overrides = [("model.name", "small"), ("train.global_batch", "32"), ("comm.compression", "fp16")]
+    base = load_plan_config(None, overrides)
+    result = plan(base, model_config(base), 32, 8, A100, top=5)
+    feasible = [r for r in result["plans"] if r["feasible"]]
+    assert len(feasible) == 5 and all(r["zero_stage"] == 0 for r in feasible)
+    refused = [r for r in result["plans"] if r["reason"].startswith("not runnable:")]
+    assert refused and all("comm.compression" in r["reason"] for r in refused)
+    assert refused[0]["step_s"] <= feasible[-1]["step_s"]  # it would have ranked among them
