@@ -203,3 +203,24 @@ def test_a_plan_plait_refuses_is_rejected_and_the_search_goes_on():
     refused = [r for r in result["plans"] if r["reason"].startswith("not runnable:")]
     assert refused and all("comm.compression" in r["reason"] for r in refused)
     assert refused[0]["step_s"] <= feasible[-1]["step_s"]  # it would have ranked among them
+
+
+def test_presets_and_optional_cluster_fields(tmp_path):
+    h100 = load_cluster("dgx-h100")
+    assert h100.peak_tflops == 989.0 and h100.intra.beta_bps > A100.intra.beta_bps
+    assert h100.inter.beta_bps == 2 * A100.inter.beta_bps  # 400 vs 200 Gb/s per GPU
+    path = tmp_path / "c.toml"
+    path.write_text(
+        "gpus_per_node = 8\npeak_tflops = 312.0\nmemory_gb = 40.0\nefficiency = 0.5\npcie_gbps = 12.5\n"
+        "[intra]\nalpha_us = 5.0\nbeta_gbps = 300.0\n[inter]\nalpha_us = 10.0\nbeta_gbps = 25.0\n"
+    )
+    c = load_cluster(str(path))
+    assert c.name == "c" and c.efficiency == 0.5 and c.pcie_gbps == 12.5 and c.memory_gb == 40.0
+    lay = Layout(dp=8, microbatch_size=1, microbatches=2)
+    cfg = GPTConfig(vocab_size=51200, seq_len=1024, n_layer=12, n_head=12, d_model=768)
+    # Half the memory, five sixths of the efficiency: same memory figure, a slower step.
+    a, b = evaluate(cfg, 16, lay, A100), evaluate(cfg, 16, lay, c)
+    assert a["memory_gb"] == b["memory_gb"] and b["step_s"] > a["step_s"]
+    path.write_text(path.read_text().replace("efficiency = 0.5", "efficiency = 2"))
+    with pytest.raises(Exception, match="out of range"):
+        load_cluster(str(path))

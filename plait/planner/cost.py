@@ -101,8 +101,8 @@ def stage_params(cfg: GPTConfig, layout: Layout) -> int:
     per_block_dense, per_block_experts = (blocks - experts) / L, experts / L
     k = L // layout.pp
     body = k * (per_block_dense / layout.tp + per_block_experts / (layout.tp * layout.ep))
-    if layout.pp == 1:
-        edges = outside / layout.tp
+    if layout.pp == 1:  # the vocabulary splits over tp, the positions and ln_f do not
+        edges = (outside - s * h - ln) / layout.tp + s * h + ln
     else:
         first = (V * h) / layout.tp + s * h
         last = V * h / layout.tp + ln  # the head, or a tied embedding's copy
