@@ -395,7 +395,7 @@ def _plan(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         parser.print_help()
         return 0
-    known, rest = [], []
+    known, rest, config = [], [], []
     i = 0
     while i < len(argv):  # the planner's own options, then CONFIG and --section.key overrides
         a = argv[i]
@@ -407,13 +407,13 @@ def _plan(argv: list[str]) -> int:
         elif a == "--json":
             known.append(a)
             i += 1
-        elif not a.startswith("--") and not known and not rest:
-            known.append(a)
+        elif not a.startswith("-") and (not rest or not rest[-1].startswith("--")) and not config:
+            config = [a]  # CONFIG: a word that is no override's value
             i += 1
         else:
             rest.append(a)
             i += 1
-    args = parser.parse_args(known)
+    args = parser.parse_args(config + known)
     base = load_plan_config(args.config, parse_overrides(rest))
     cluster = load_cluster(args.cluster)
     result = plan(base, model_config(base), base.train.global_batch, args.devices, cluster, top=args.top)

@@ -224,3 +224,17 @@ def test_presets_and_optional_cluster_fields(tmp_path):
     path.write_text(path.read_text().replace("efficiency = 0.5", "efficiency = 2"))
     with pytest.raises(Exception, match="out of range"):
         load_cluster(str(path))
+
+
+def test_config_file_before_or_after_the_options(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\nname = "small"\nvocab_size = 512\n[train]\nglobal_batch = 32\n')
+    outs = []
+    for argv in (
+        ["plan", str(path), "--devices", "4", "--json"],
+        ["plan", "--devices", "4", str(path), "--json"],
+    ):
+        assert main(argv) == 0
+        outs.append(json.loads(capsys.readouterr().out)["plans"][0])
+    assert outs[0] == outs[1]
+    assert outs[0]["dp"] * outs[0]["tp"] * outs[0]["pp"] == 4
