@@ -6,6 +6,7 @@ plait estimate (--params N | --model NAME) [--dp N] [--zero-stage S] ... [--json
 plait schedule --kind KIND --stages P --microbatches M [--virtual-stages V] [--costs F,B,W] [--comm C]
                [--out timeline.png] [--json]
 plait launch [--nproc N] SCRIPT.py [ARGS ...]
+plait plan [CONFIG] [--section.key value ...] --devices N [--cluster NAME|FILE] [--top K] [--json]
 plait hogwild [--workers N] [--updates U] [--batch B] [--lock] [--optimizer adagrad|sgd] [--lr LR]
               [--features F] [--out DIR] [--json]
 """
@@ -362,6 +363,89 @@ def _schedule(argv: list[str]) -> int:
     return 0
 
 
+MAX_TOP = 1000
+"""`plait plan --top`: rows of the table."""
+
+
+def _plan(argv: list[str]) -> int:
+    from plait.planner.cluster import PRESETS, load_cluster
+    from plait.planner.search import load_plan_config, plan, plan_summary
+    from plait.train.config import MAX_SIZE, model_config, parse_overrides
+
+    parser = _Parser(
+        prog="plait plan",
+        description="Choose the layout (dp, tp, pp, ep, ZeRO stage, micro-batches, schedule, recomputation, "
+        "offload) of the configured GPT on N devices of a cluster, Alpa-style: every runnable layout "
+        "priced by plait's FLOP count, ledger formulas, pipeline simulator and memory estimator, ranked "
+        "by predicted step time. The model is [model] (with model.vocab_size), the batch "
+        "train.global_batch; [parallel] keys are what the planner chooses. docs/planner.md.",
+    )
+    parser.add_argument(
+        "config", nargs="?", metavar="CONFIG", help="a TOML config (default: plait's defaults)"
+    )
+    parser.add_argument("--devices", type=_int_in(1, MAX_SIZE), required=True, help="devices to plan for")
+    parser.add_argument(
+        "--cluster",
+        default="dgx-a100",
+        help=f"a preset ({', '.join(PRESETS)}) or a TOML file (default dgx-a100)",
+    )
+    parser.add_argument(
+        "--top", type=_int_in(1, MAX_TOP), default=10, help="feasible plans to show (default 10)"
+    )
+    parser.add_argument("--json", action="store_true", help='print {"plans": [...]}, best first')
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        return 0
+    known, rest, config = [], [], []
+    i = 0
+    while i < len(argv):  # the planner's own options, then CONFIG and --section.key overrides
+        a = argv[i]
+        name = a.split("=", 1)[0]
+        if name in ("--devices", "--cluster", "--top"):
+            take = 1 if "=" in a else 2
+            known += argv[i : i + take]
+            i += take
+        elif a == "--json":
+            known.append(a)
+            i += 1
+        elif not a.startswith("-") and (not rest or not rest[-1].startswith("--")) and not config:
+            config = [a]  # CONFIG: a word that is no override's value
+            i += 1
+        else:
+            rest.append(a)
+            i += 1
+    args = parser.parse_args(config + known)
+    base = load_plan_config(args.config, parse_overrides(rest))
+    cluster = load_cluster(args.cluster)
+    result = plan(base, model_config(base), base.train.global_batch, args.devices, cluster, top=args.top)
+    plans = [plan_summary(r) for r in result["plans"]]
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "plans"} | {"plans": plans}))
+        return 0
+    print(
+        f"plait plan: {args.devices} devices of {cluster.name} ({cluster.peak_tflops:g} TFLOP/s peak, "
+        f"efficiency {cluster.efficiency:g}); {result['candidates']:,} layouts, {result['simulated']:,} "
+        "simulated; best first"
+    )
+    head = f"{'layout':<48}{'step s':>9}{'TFLOP/s':>9}{'MFU':>6}{'mem GB':>8}{'bubble':>8}{'comm':>6}"
+    print(head)
+    for r in plans:
+        if not r["feasible"]:
+            continue
+        print(
+            f"{r['layout']:<48}{r['step_s']:>9.4g}{r['tflops_per_device']:>9.1f}{r['mfu']:>6.0%}"
+            f"{r['memory_gb']:>8.3g}{r['bubble']:>8.1%}{r['comm_share']:>6.0%}"
+        )
+    bad = [r for r in plans if not r["feasible"]]
+    if bad:
+        print("rejected (fastest first):")
+        for r in bad:
+            print(f"  {r['layout']}: {r['reason']}")
+    if not any(r["feasible"] for r in plans):
+        print("no feasible plan: every layout runs out of memory or is refused (above)")
+    return 0
+
+
 def _float_in(lo: float, hi: float, lo_open: bool = False):
     """An argparse type: a finite number in [lo, hi] ((lo, hi] if `lo_open`), or an error naming it."""
 
@@ -547,6 +631,7 @@ COMMANDS = {
     "export": _export,
     "estimate": _estimate,
     "schedule": _schedule,
+    "plan": _plan,
     "hogwild": _hogwild,
     "launch": _launch,
 }
@@ -561,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         help="train: run training; export: a run's model as one safetensors file (plait export --help); "
         "estimate: per-device memory of ZeRO (plait estimate --help); "
         "schedule: simulate a pipeline schedule (plait schedule --help); "
+        "plan: choose the layout for N devices (plait plan --help); "
         "hogwild: lock-free SGD on shared memory (plait hogwild --help); "
         "launch: run your own script on N ranks, like torchrun (plait launch --help)",
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import tomllib
@@ -42,6 +43,9 @@ class ModelConfig:
     d_model: int | None = _f(None, "hidden size h (default: from the named size)")
     d_ff: int | None = _f(None, "MLP inner size (default: 4 x d_model)")
     seq_len: int | None = _f(None, "context length in tokens (default: from the named size)")
+    vocab_size: int | None = _f(
+        None, "token ids (default: from the named size; 256 bytes for the corpora of plait.data)"
+    )
     dropout: float = _f(0.0, "dropout probability on attention, residual and embedding outputs")
     tie_weights: bool = _f(True, "share the token embedding with the output head")
     experts: int = _f(0, "experts per mixture-of-experts layer (plait.moe); 0 = a dense model")
@@ -403,6 +407,7 @@ _BOUNDS = {
     ),
     **dict.fromkeys(
         ("model.n_layer", "model.n_head", "model.d_model", "model.d_ff", "model.seq_len", "model.experts")
+        + ("model.vocab_size",)
         + ("model.moe_every", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep")
         + ("parallel.microbatches", "parallel.virtual_stages", "parallel.hybrid_shard")
         + ("train.global_batch", "train.micro_batches", "train.eval_batches", "comm.powersgd_rank")
@@ -431,8 +436,11 @@ def _check_bounds(cfg: Config) -> None:
     )
 
 
-def validate(cfg: Config) -> None:
-    """Reject inconsistent values with a message that says what to change."""
+def validate(cfg: Config, data: bool = True) -> None:
+    """Reject inconsistent values with a message that says what to change.
+
+    ``data=False`` leaves out the one check that reads the corpus on this machine (that it holds a
+    global batch); the planner validates layouts for clusters whose data is elsewhere."""
     _check_bounds(cfg)
     t, p = cfg.train, cfg.parallel
     for name in ("dp", "tp", "pp", "ep"):
@@ -493,7 +501,7 @@ def validate(cfg: Config) -> None:
     base = gpt_config(cfg.model.name)  # an unknown name is an error listing the valid ones
     sizes = {
         k: getattr(cfg.model, k) if getattr(cfg.model, k) is not None else getattr(base, k)
-        for k in ("n_layer", "n_head", "d_model", "seq_len")
+        for k in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size")
     }
     for name, value in sizes.items():
         _require(value >= 1, f"model.{name} must be >= 1, got {value}")
@@ -502,7 +510,13 @@ def validate(cfg: Config) -> None:
         f"model.d_model = {sizes['d_model']} is not divisible by model.n_head = {sizes['n_head']}",
     )
     m = model_config(cfg)
-    _check_data_fits(cfg, m.seq_len)
+    if data:
+        _require(
+            m.vocab_size >= 256,
+            f"model.vocab_size = {m.vocab_size} is below the 256 byte values of plait's corpora: "
+            "use model.vocab_size >= 256",
+        )
+        _check_data_fits(cfg, m.seq_len)
     _require(m.n_head % p.tp == 0, f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}")
     _require(m.ff_dim % p.tp == 0, f"model.d_ff = {m.ff_dim} is not divisible by parallel.tp = {p.tp}")
     _require(
@@ -613,7 +627,7 @@ def _validate_momentum_target(cfg: Config) -> None:
 
 def _validate_pipeline(cfg: Config, n_layer: int) -> None:
     """Pipeline settings (plait.pipeline): checked here, before any process starts."""
-    from plait.pipeline.schedules import SCHEDULES, make_schedule
+    from plait.pipeline.schedules import SCHEDULES
 
     p, t = cfg.parallel, cfg.train
     _require(
@@ -631,12 +645,9 @@ def _validate_pipeline(cfg: Config, n_layer: int) -> None:
         f"range: at most {MAX_PIPELINE_ACTIONS:,} (the schedule is built and checked action by action, "
         "before start and on every rank); lower parallel.microbatches",
     )
-    try:
-        make_schedule(p.schedule, p.pp, m, v)
-    except ConfigError as exc:
-        raise ConfigError(
-            f"[parallel] pp = {p.pp}, schedule = {p.schedule!r}, microbatches = {m}: {exc}"
-        ) from None
+    problem = _schedule_problem(p.schedule, p.pp, m, v)
+    if problem:
+        raise ConfigError(f"[parallel] pp = {p.pp}, schedule = {p.schedule!r}, microbatches = {m}: {problem}")
     n = p.pp * v
     if n_layer % n:
         valid = [k for k in range(1, n_layer + 1) if n_layer % k == 0]
@@ -662,6 +673,19 @@ def _validate_pipeline(cfg: Config, n_layer: int) -> None:
         f"parallel.pp = {p.pp} with offload.optimizer = {cfg.offload.optimizer!r} is not available yet; "
         "set offload.optimizer = 'none'",
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_problem(kind: str, pp: int, m: int, v: int) -> str:
+    """'' if the schedule builds and checks, else why not. Cached: building and checking a long
+    schedule takes seconds, and the planner validates many layouts that share one."""
+    from plait.pipeline.schedules import make_schedule
+
+    try:
+        make_schedule(kind, pp, m, v)
+    except ConfigError as exc:
+        return str(exc)
+    return ""
 
 
 def pipeline_shape(cfg: Config) -> tuple[int, int]:
@@ -831,7 +855,7 @@ def model_config(cfg: Config):
     m = cfg.model
     overrides = {
         k: getattr(m, k)
-        for k in ("n_layer", "n_head", "d_model", "d_ff", "seq_len")
+        for k in ("n_layer", "n_head", "d_model", "d_ff", "seq_len", "vocab_size")
         if getattr(m, k) is not None
     }
     moe = {

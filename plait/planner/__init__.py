@@ -1,0 +1,23 @@
+"""`plait plan`: choose a layout automatically (Alpa, Zheng et al. 2022), from a cost model built of
+plait's own formulas (Narayanan et al. 2021 for FLOPs and tensor/pipeline communication).
+
+cluster.py (devices and links), cost.py (one layout's time and memory), stages.py (Alpa's
+inter-operator DP; the pipeline through plait's simulator), search.py (enumerate, prune, rank).
+"""
+
+from plait.planner.cluster import PRESETS, Cluster, Link, load_cluster
+from plait.planner.cost import Layout, evaluate
+from plait.planner.search import plan
+from plait.planner.stages import brute_force_stages, inter_op_dp
+
+__all__ = [
+    "PRESETS",
+    "Cluster",
+    "Layout",
+    "Link",
+    "brute_force_stages",
+    "evaluate",
+    "inter_op_dp",
+    "load_cluster",
+    "plan",
+]

@@ -1,0 +1,202 @@
+"""Cluster descriptions for the planner: devices, their peak, and the links between them.
+
+A cluster is nodes of ``gpus_per_node`` devices. Two classes of link join them, each priced by
+the α-β model (Hockney 1994; the form Alpa, Zheng et al. 2022 §5, and Narayanan et al. 2021 §3
+use): sending ``n`` bytes costs ``α + n / β``. ``intra`` is the link inside a node (NVLink),
+``inter`` the link across nodes (InfiniBand); β is the bandwidth one device sees in one
+direction (a DGX node's eight 200 Gb/s HCAs give each GPU its own 25 GB/s).
+
+Mesh axes are laid out as plait's `Mesh` lays them, tp innermost, then ep, dp, pp outermost
+(docs/ARCHITECTURE.md): an axis whose groups stay inside one node (the product of its size and
+the sizes of the axes inside it is at most ``gpus_per_node``) uses ``intra``, any other ``inter``.
+
+Presets are from the vendors' datasheets (dense bf16 peaks; NVLink per-direction bandwidth);
+the α values and the compute ``efficiency`` are typical figures, not measured: a preset says so.
+A TOML file with the same fields describes any other cluster::
+
+    name = "my-cluster"
+    gpus_per_node = 8
+    peak_tflops = 312.0
+    memory_gb = 80.0
+    efficiency = 0.6
+    [intra]
+    alpha_us = 5.0
+    beta_gbps = 300.0      # GB/s, one direction, per device
+    [inter]
+    alpha_us = 10.0
+    beta_gbps = 25.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from pathlib import Path
+
+from plait.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One class of link in the α-β model: ``time(n) = alpha_s + n / beta_bps``."""
+
+    alpha_s: float
+    beta_bps: float
+
+    def time(self, nbytes: float, messages: int = 1) -> float:
+        """Seconds to move ``nbytes`` in ``messages`` sequential messages."""
+        if nbytes <= 0:
+            return 0.0
+        return messages * self.alpha_s + nbytes / self.beta_bps
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Devices, their peak and memory, and the two link classes."""
+
+    name: str
+    gpus_per_node: int
+    peak_tflops: float
+    """Dense peak per device in the compute dtype (bf16), TFLOP/s."""
+    memory_gb: float
+    """Device memory, GB of 1e9 bytes."""
+    intra: Link
+    inter: Link
+    efficiency: float = 0.6
+    """Fraction of the peak a transformer layer's kernels reach (GEMMs, attention and the
+    element-wise work together): a preset's figure, not a measurement."""
+    usable_memory: float = 0.9
+    """Fraction of the memory a run may plan for (the rest: CUDA context, allocator slack)."""
+    memory_bw_gbps: float = 2000.0
+    """Device memory bandwidth, GB/s: the optimizer step is bound by it."""
+    pcie_gbps: float = 25.0
+    """Host link per device, GB/s each way (ZeRO-Offload's transfers)."""
+    host_adam_params_per_s: float = 1e9
+    """Parameters per second the host's optimizer step updates for one device (offload)."""
+    note: str = ""
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    def link_for(self, span: int) -> Link:
+        """The link of a group whose ranks span ``span`` consecutive global ranks."""
+        return self.intra if span <= self.gpus_per_node else self.inter
+
+
+def axis_links(cluster: Cluster, sizes: dict[str, int]) -> dict[str, Link]:
+    """The link each mesh axis lives on, for sizes {"pp", "dp", "ep", "tp"}: tp innermost, so
+    the span of an axis is its size times the sizes inside it (plait.mesh's mixed radix)."""
+    out, inner = {}, 1
+    for axis in ("tp", "ep", "dp", "pp"):
+        n = sizes.get(axis, 1)
+        out[axis] = cluster.link_for(inner * n)
+        inner *= n
+    return out
+
+
+def _gbps(x: float) -> float:
+    return x * 1e9
+
+
+PRESETS = {
+    "dgx-a100": Cluster(
+        name="dgx-a100",
+        gpus_per_node=8,
+        peak_tflops=312.0,
+        memory_gb=80.0,
+        # NVLink 3: 600 GB/s per GPU both ways, 300 each way; HDR InfiniBand: 200 Gb/s = 25 GB/s.
+        intra=Link(alpha_s=5e-6, beta_bps=_gbps(300.0)),
+        inter=Link(alpha_s=10e-6, beta_bps=_gbps(25.0)),
+        note="DGX A100 80GB: 8 GPUs, NVLink 3 (300 GB/s each way), 8 x 200 Gb/s HDR IB; "
+        "alpha and efficiency are typical figures, not measured",
+    ),
+    "dgx-h100": Cluster(
+        name="dgx-h100",
+        gpus_per_node=8,
+        peak_tflops=989.0,
+        memory_gb=80.0,
+        # NVLink 4: 900 GB/s per GPU both ways; NDR InfiniBand: 400 Gb/s = 50 GB/s.
+        intra=Link(alpha_s=5e-6, beta_bps=_gbps(450.0)),
+        inter=Link(alpha_s=10e-6, beta_bps=_gbps(50.0)),
+        memory_bw_gbps=3350.0,
+        pcie_gbps=50.0,
+        note="DGX H100: 8 GPUs, NVLink 4 (450 GB/s each way), 8 x 400 Gb/s NDR IB; "
+        "alpha and efficiency are typical figures, not measured",
+    ),
+}
+
+_LIMITS = {  # field: (lowest, highest) accepted from a file
+    "gpus_per_node": (1, 1024),
+    "peak_tflops": (1e-6, 1e6),
+    "memory_gb": (1e-3, 1e5),
+    "efficiency": (1e-3, 1.0),
+    "usable_memory": (0.01, 1.0),
+    "alpha_us": (0.0, 1e6),
+    "beta_gbps": (1e-6, 1e6),
+    "memory_bw_gbps": (1e-3, 1e6),
+    "pcie_gbps": (1e-3, 1e6),
+    "host_adam_params_per_s": (1.0, 1e15),
+}
+
+
+def _number(where: str, key: str, value, integer: bool = False) -> float:
+    lo, hi = _LIMITS[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{where}: {key} must be a number, got {value!r}")
+    if integer and value != int(value):
+        raise ConfigError(f"{where}: {key} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise ConfigError(f"{where}: {key} = {value!r} is out of range [{lo:g}, {hi:g}]")
+    return int(value) if integer else float(value)
+
+
+def _link(where: str, table) -> Link:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: must be a table with alpha_us and beta_gbps")
+    unknown = set(table) - {"alpha_us", "beta_gbps"}
+    if unknown or set(table) != {"alpha_us", "beta_gbps"}:
+        raise ConfigError(f"{where}: needs exactly alpha_us and beta_gbps, got {', '.join(sorted(table))}")
+    return Link(
+        alpha_s=_number(where, "alpha_us", table["alpha_us"]) * 1e-6,
+        beta_bps=_gbps(_number(where, "beta_gbps", table["beta_gbps"])),
+    )
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A preset by name, or a TOML file with the fields of the module docstring."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(
+            f"--cluster {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a TOML file that exists"
+        )
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cluster file {spec!r} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"cluster file {spec!r} cannot be read ({exc.strerror or exc})") from None
+    required = {"gpus_per_node", "peak_tflops", "memory_gb", "intra", "inter"}
+    optional = {"efficiency", "usable_memory", "memory_bw_gbps", "pcie_gbps", "host_adam_params_per_s"}
+    known = required | optional | {"name", "note"}
+    if missing := required - set(data):
+        raise ConfigError(f"cluster file {spec!r} lacks {', '.join(sorted(missing))}")
+    if unknown := set(data) - known:
+        raise ConfigError(
+            f"cluster file {spec!r}: unknown key(s) {', '.join(sorted(unknown))}; "
+            f"valid: {', '.join(sorted(known))}"
+        )
+    where = f"cluster file {spec!r}"
+    return Cluster(
+        name=str(data.get("name", path.stem)),
+        gpus_per_node=_number(where, "gpus_per_node", data["gpus_per_node"], integer=True),
+        peak_tflops=_number(where, "peak_tflops", data["peak_tflops"]),
+        memory_gb=_number(where, "memory_gb", data["memory_gb"]),
+        intra=_link(f"{where} [intra]", data["intra"]),
+        inter=_link(f"{where} [inter]", data["inter"]),
+        **{k: _number(where, k, data[k]) for k in optional if k in data},
+        note=str(data.get("note", "")),
+    )

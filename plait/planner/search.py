@@ -1,0 +1,266 @@
+"""The planner's search: every runnable layout of a GPT on N devices, priced and ranked.
+
+Alpa (Zheng et al. 2022) splits planning into an inter-operator pass (pipeline stages, by the
+dynamic programme of `plait.planner.stages`) and an intra-operator pass (per stage, the sharding
+of each operator). plait's GPT has one kind of layer, run with one layout per mesh, so the
+intra-operator choices collapse to a handful of global ones that are enumerated outright: tp, pp,
+dp, ep, ZeRO stage, hybrid sharding, sequence parallelism, micro-batch size and count, the
+pipeline schedule (with interleaving and Zero Bubble), recomputation and CPU offload.
+
+The enumeration keeps what plait can run (`plait.train.config.validate`'s rules: heads, d_ff and
+layers divisible, the batch divisible over dp x ep and the micro-batches, the schedule's
+constraints, pp x m x v bounded), and prunes, saying so in `PRUNING`:
+
+* tp: powers of two up to the GPUs of one node (Narayanan et al. 2021 §3.3: tp across nodes
+  is slow; the cost model would rank it last anyway);
+* micro-batch sizes: powers of two up to ``MAX_MICROBATCH``;
+* sequence parallelism is always on when tp > 1 and the sequence divides (same bytes as plain
+  tp, less activation memory: the variant without it is dominated in the model);
+* ZB-V only up to ``MAX_ZBV_PP`` ranks (its list scheduler is slow beyond), ZB-H2 not at all;
+* branch and bound: every candidate's lower bound (no bubble, one micro-batch in flight) is
+  priced first; candidates are simulated in order of that bound, and the search stops when the
+  bound exceeds the top-K's slowest feasible step time.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+from plait.errors import ConfigError
+from plait.models.gpt import GPTConfig
+from plait.planner.cluster import Cluster
+from plait.planner.cost import Layout, evaluate
+from plait.planner.stages import PLANNED_SCHEDULES, balanced_stages
+
+MAX_MICROBATCH = 16
+MAX_ZBV_PP = 16
+MAX_PIPELINE_ACTIONS = 2**15  # plait.train.config's bound on pp x microbatches x virtual_stages
+PRUNING = (
+    "tp: powers of two <= GPUs per node; micro-batch size: powers of two <= 16; sequence parallel "
+    "on whenever tp > 1; ZB-V only for pp <= 16, ZB-H2 never; branch and bound on a no-bubble lower bound"
+)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _pow2_upto(n: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(n)) + 1)] if n >= 1 else []
+
+
+def enumerate_layouts(
+    cfg: GPTConfig, global_batch: int, devices: int, cluster: Cluster, dropout: float = 0.0
+):
+    """Every layout the search considers for `devices` devices (a generator of `Layout`)."""
+    L = cfg.n_layer
+    for tp in _pow2_upto(min(cluster.gpus_per_node, devices)):
+        if devices % tp or cfg.n_head % tp or cfg.ff_dim % tp:
+            continue
+        sp = tp > 1 and cfg.seq_len % tp == 0
+        eps = [e for e in _divisors(cfg.experts) if (devices // tp) % e == 0] if cfg.experts else [1]
+        for ep in eps:
+            for pp in _divisors(L):
+                if (devices // (tp * ep)) % pp:
+                    continue
+                dp = devices // (tp * ep * pp)
+                if global_batch % (dp * ep):
+                    continue
+                rows = global_batch // (dp * ep)
+                for b in _pow2_upto(min(rows, MAX_MICROBATCH)):
+                    if rows % b:
+                        continue
+                    m = rows // b
+                    for schedule, v in _schedules(pp, m, L):
+                        for zero in (0, 1, 2, 3) if dp * ep > 1 else (0,):
+                            hybrids = [0]
+                            node = cluster.gpus_per_node // (tp * ep)
+                            if zero and ep == 1 and 1 < node < dp and dp % node == 0:
+                                hybrids.append(node)
+                            for hs in hybrids:
+                                for rc in (False, True):
+                                    if rc and tp > 1 and dropout > 0:
+                                        continue  # plait refuses tp + dropout + recomputation
+                                    for off in ("none", "cpu") if zero and pp == 1 else ("none",):
+                                        yield Layout(
+                                            dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero, hybrid_shard=hs,
+                                            sequence_parallel=sp, microbatch_size=b, microbatches=m,
+                                            schedule=schedule, virtual_stages=v, recompute=rc, offload=off,
+                                        )  # fmt: skip
+
+
+def _schedules(pp: int, m: int, L: int):
+    if pp == 1:
+        yield "none", 1
+        return
+    for kind in PLANNED_SCHEDULES:
+        v = 2 if kind in ("interleaved", "zb-v") else 1
+        if pp * m * v > MAX_PIPELINE_ACTIONS or L % (pp * v):
+            continue
+        if kind == "interleaved" and m % pp:
+            continue
+        if kind == "zb-v" and pp > MAX_ZBV_PP:
+            continue
+        yield kind, v
+
+
+def layout_config(base, layout: Layout):
+    """The plait `Config` that runs `layout`: `base` with the parallel keys set (bf16 on)."""
+    cfg = copy.deepcopy(base)
+    p = cfg.parallel
+    p.dp, p.tp, p.pp, p.ep = layout.dp, layout.tp, layout.pp, layout.ep
+    p.zero_stage, p.hybrid_shard, p.sequence_parallel = (
+        layout.zero_stage,
+        layout.hybrid_shard,
+        layout.sequence_parallel,
+    )
+    if layout.pp > 1:
+        p.schedule, p.microbatches, p.virtual_stages = (
+            layout.schedule,
+            layout.microbatches,
+            layout.virtual_stages,
+        )
+        cfg.train.micro_batches = 1
+    else:
+        p.microbatches, p.virtual_stages = 0, 0
+        cfg.train.micro_batches = layout.microbatches
+    cfg.train.activation_checkpointing = layout.recompute
+    cfg.train.bf16 = True
+    cfg.offload.optimizer = layout.offload
+    return cfg
+
+
+def load_plan_config(path=None, overrides=()):
+    """The run's `Config` (TOML <- overrides) for planning: validated by plait's rules with the
+    parallel keys reset to one device (the planner chooses them) and without the check that this
+    machine's corpus holds a global batch (the plan is for another machine)."""
+    from plait.train import config as C
+
+    cfg = C.Config()
+    if path is not None:
+        import tomllib
+        from pathlib import Path
+
+        try:
+            data = tomllib.loads(C._read_config_text(Path(path)))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
+            for key, value in values.items():
+                C.set_key(cfg, section, key, value, from_cli=False)
+    for dotted, value in overrides:
+        section, _, key = dotted.partition(".")
+        C.set_key(cfg, section, key, value, from_cli=True)
+    plain = Layout()
+    C.validate(layout_config(cfg, plain), data=False)
+    return cfg
+
+
+def check_runnable(base, layout: Layout) -> str:
+    """'' if plait's own config validation accepts `layout` on `base`, else its message."""
+    from plait.train.config import validate
+
+    try:
+        validate(layout_config(base, layout), data=False)
+    except ConfigError as exc:
+        return f"not runnable: {exc}"
+    return ""
+
+
+def plan(
+    base,
+    cfg: GPTConfig,
+    global_batch: int,
+    devices: int,
+    cluster: Cluster,
+    top: int = 10,
+    optimizer: str = "adamw",
+    infeasible: int = 5,
+) -> dict:
+    """Rank the layouts of `cfg` on `devices` devices of `cluster`: ``{"plans": [...], ...}``, the
+    `top` fastest feasible plans first (each validated by plait's config rules when `base`, a
+    plait Config, is given), then up to `infeasible` rejected ones with their reasons."""
+    dropout = base.model.dropout if base is not None else 0.0
+    candidates = list(enumerate_layouts(cfg, global_batch, devices, cluster, dropout))
+    if not candidates:
+        raise ConfigError(
+            f"no layout of this model fits {devices} devices with train.global_batch = {global_batch}: "
+            f"dp x ep must divide the batch and tp the heads ({cfg.n_head}); try a device count that is a "
+            "power of two or a batch with more factors of two"
+        )
+    bounds = []
+    rejected = []
+    for lay in candidates:
+        lb = evaluate(cfg, global_batch, lay, cluster, optimizer=optimizer, lower_bound=True)
+        if lb["feasible"]:
+            bounds.append((lb["step_s"], lay))
+        else:
+            lb["reason"] = lb["reason"].replace("needs", "needs at least", 1)
+            rejected.append(lb)
+    bounds.sort(key=lambda x: x[0])
+    # Branch and bound on the lower bounds; plait's own validation (which builds and checks each
+    # pipeline schedule, seconds for a long one) runs on the final top K only. A plan it refuses is
+    # rejected with plait's message and the search runs again without it (rare: the enumeration
+    # follows the same rules).
+    priced: dict[Layout, dict] = {}
+    refused: set[Layout] = set()
+    while True:
+        best: list[dict] = []
+        for lb_step, lay in bounds:
+            if len(best) >= top and lb_step >= best[-1]["step_s"]:
+                break
+            if lay in refused:
+                continue
+            if lay not in priced:
+                priced[lay] = evaluate(cfg, global_batch, lay, cluster, optimizer=optimizer)
+                if not priced[lay]["feasible"]:
+                    rejected.append(priced[lay])
+            result = priced[lay]
+            if result["feasible"] and (len(best) < top or result["step_s"] < best[-1]["step_s"]):
+                best.append(result)
+                best.sort(key=lambda r: r["step_s"])
+                del best[top:]
+        fresh = False
+        for r in best:
+            lay = next(k for k, v in priced.items() if v is r)
+            reason = check_runnable(base, lay) if base is not None else ""
+            if reason:
+                r["feasible"], r["reason"] = False, reason
+                refused.add(lay)
+                rejected.append(r)
+                fresh = True
+        if not fresh:
+            break
+    evaluated = len(priced)
+    for r in best:  # Alpa's inter-operator DP on the listed pipelines (plait train runs the uniform cut)
+        if r["pp"] > 1:
+            n = r["pp"] * r["virtual_stages"]
+            r["stages"] = balanced_stages(
+                r["terms"]["block_s"], r["terms"]["head_s"], cfg.n_layer, n, r["microbatches"]
+            )
+    rejected.sort(key=lambda r: r["step_s"])
+    return {
+        "plans": best + rejected[:infeasible],
+        "devices": devices,
+        "cluster": cluster.name,
+        "candidates": len(candidates),
+        "simulated": evaluated,
+        "rejected": len(rejected),
+        "pruning": PRUNING,
+    }
+
+
+def plan_summary(result: dict) -> dict:
+    """The fields of each plan that the `--json` schema promises, plus the rest of the plan."""
+    keep = ("layout", "dp", "tp", "pp", "ep", "zero_stage", "hybrid_shard", "sequence_parallel")
+    keep += ("microbatch_size", "microbatches", "schedule", "virtual_stages", "recompute", "offload")
+    keep += ("feasible", "reason", "step_s", "tflops_per_device", "mfu", "memory_gb", "bubble", "comm_share")
+    return (
+        {k: result[k] for k in keep}
+        | {"terms": result["terms"]}
+        | ({"stages": result["stages"]} if "stages" in result else {})
+    )

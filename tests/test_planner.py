@@ -1,0 +1,240 @@
+"""plait plan: the stage DP against brute force, the pipeline extrapolation against the simulator,
+memory against the estimator, rejections with their reasons, the --json schema, planning a 175B
+GPT on 1024 devices, and plans that plait's own config validation accepts. No processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import time
+
+import pytest
+
+from plait.cli import main
+from plait.models.gpt import GPTConfig
+from plait.pipeline.simulate import Costs, simulate
+from plait.planner.cluster import PRESETS, axis_links, load_cluster
+from plait.planner.cost import Layout, evaluate, stage_params
+from plait.planner.search import check_runnable, layout_config, load_plan_config, plan
+from plait.planner.stages import _GENERATORS, balanced_stages, brute_force_stages, inter_op_dp, pipeline_time
+from plait.train.config import model_config, validate
+from plait.zero.estimate import activation_bytes, dtype_preset, model_state_bytes_formula
+
+A100 = PRESETS["dgx-a100"]
+GPT175 = GPTConfig(vocab_size=51200, seq_len=2048, n_layer=96, n_head=96, d_model=12288)
+ARGS_175B = [
+    "--model.n_layer", "96", "--model.d_model", "12288", "--model.n_head", "96",
+    "--model.seq_len", "2048", "--model.vocab_size", "51200", "--train.global_batch", "1536",
+]  # fmt: skip
+
+
+def test_inter_op_dp_equals_brute_force_on_random_cases():
+    rng = random.Random(0)
+    for _ in range(200):
+        L = rng.randint(1, 7)
+        S = rng.randint(1, L)
+        B = rng.randint(1, 8)
+        layer = [rng.uniform(0.1, 3.0) for _ in range(L)]
+        overhead = rng.uniform(0.0, 1.0)
+        cap = rng.uniform(2.0, 12.0)  # a memory-like limit: longer ranges do not fit
+
+        def cost(i, j, layer=layer, overhead=overhead, cap=cap):
+            t = sum(layer[i:j]) + overhead * (j - i) ** 0.5  # not additive: Alpa's general case
+            return math.inf if t > cap else t
+
+        dp_best, dp_bounds = inter_op_dp(cost, L, S, B)
+        bf_best, _ = brute_force_stages(cost, L, S, B)
+        if math.isinf(bf_best):
+            assert math.isinf(dp_best) and dp_bounds is None
+            continue
+        assert dp_best == pytest.approx(bf_best, rel=1e-12)
+        times = [cost(a, b) for a, b in zip(dp_bounds, dp_bounds[1:], strict=False)]
+        assert len(times) == S and dp_bounds[0] == 0 and dp_bounds[-1] == L
+        assert sum(times) + (B - 1) * max(times) == pytest.approx(dp_best, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+def test_pipeline_extrapolation_equals_a_full_simulation(kind):
+    p, m = 4, 48  # simulated with 16 micro-batches, extrapolated to 48
+    v = 2 if kind == "interleaved" else 1
+    f, b, w, comm, head_f, head_b = 2.0, 2.5, 1.5, 0.25, 0.5, 1.0
+    got = pipeline_time(kind, p, m, v, f, b, w, comm, 0.0, head_f, head_b)
+    assert got["m_simulated"] < m
+    n = p * v
+    costs = Costs(F=f, B=b, W=w, comm=comm)
+    costs.per_stage = {("F", 0): f / v, ("F", n - 1): f / v + head_f}
+    if kind == "zb-h1":
+        costs.per_stage |= {("B", n - 1): b / v + head_b / 2, ("W", n - 1): w / v + head_b / 2}
+    else:
+        costs.per_stage[("BW", n - 1)] = (b + w) / v + head_b
+    full = simulate(_GENERATORS[kind](p, m, v), costs)
+    assert got["makespan"] == pytest.approx(full.makespan, rel=1e-9)
+    assert got["peak_activations"] == pytest.approx(max(full.peak_activations), rel=1e-9)
+
+
+def test_memory_predictions_equal_the_estimator():
+    lay = Layout(dp=16, tp=8, pp=8, zero_stage=1, sequence_parallel=True, microbatch_size=2, microbatches=48,
+                 schedule="1f1b", recompute=False)  # fmt: skip
+    got = evaluate(GPT175, 1536, lay, A100)["terms"]
+    p_bytes, g_bytes, k = dtype_preset("bf16", "adamw")
+    psi = stage_params(GPT175, lay)
+    assert got["params_per_device"] == psi
+    states = model_state_bytes_formula(psi, 16, 1, param_bytes=p_bytes, grad_bytes=g_bytes, optimizer_k=k)
+    assert got["model_state_bytes"] == states["total"]
+    stage = dataclasses.replace(GPT175, n_layer=96 // 8)
+    per_mb = activation_bytes(stage, 2, tp=8, sequence_parallel=True, stored_scores=False)
+    assert got["activation_bytes_per_microbatch"] == per_mb
+    assert got["in_flight_microbatches"] == 8  # 1F1B's first rank holds p micro-batches
+    logits = 2 * 2048 * 51200 * 4 // 8
+    assert got["activation_bytes"] == per_mb * 8 + logits
+    # The whole model's parameters, summed over tp and pp, are the GPT's own count (to the copy of
+    # the tied embedding the last stage holds, and the ln_f / position embedding split).
+    flat = Layout(dp=1, tp=1, pp=1)
+    assert stage_params(GPT175, flat) == GPT175.n_params()
+
+
+def test_an_infeasible_layout_is_rejected_with_its_reason():
+    lay = Layout(dp=1, tp=8, pp=1, microbatch_size=1, microbatches=8)
+    out = evaluate(GPT175, 8, lay, A100)
+    assert not out["feasible"]
+    assert out["reason"].startswith("out of memory: needs ") and "GB over" in out["reason"]
+    over = float(out["reason"].split("(")[1].split(" GB over")[0])
+    assert over == pytest.approx(out["memory_gb"] - 80 * 0.9, abs=0.06)
+    base = load_plan_config(None, [("model.name", "small")])
+    # 4 heads do not split over tp = 8: plait's validation says so, and the plan is refused.
+    reason = check_runnable(base, Layout(dp=1, tp=8, pp=1))
+    assert reason.startswith("not runnable:") and "n_head" in reason
+
+
+def test_json_schema_and_plans_pass_config_validation(capsys):
+    code = main(["plan", "--model.name", "small", "--train.global_batch", "32", "--devices", "8", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    plans = out["plans"]
+    assert plans and plans[0]["feasible"]
+    required = ("dp", "tp", "pp", "ep", "zero_stage", "microbatches", "schedule", "recompute", "feasible")
+    required += ("step_s", "tflops_per_device", "memory_gb")
+    seen_infeasible = False
+    for r in plans:
+        assert all(k in r for k in required)
+        assert r["dp"] * r["tp"] * r["pp"] * r["ep"] == 8
+        seen_infeasible |= not r["feasible"]
+        if seen_infeasible:
+            assert not r["feasible"] and r["reason"]  # infeasible ones come after
+    feasible = [r for r in plans if r["feasible"]]
+    assert [r["step_s"] for r in feasible] == sorted(r["step_s"] for r in feasible)
+    base = load_plan_config(None, [("model.name", "small"), ("train.global_batch", "32")])
+    for r in feasible:
+        lay = Layout(**{f.name: r[f.name] for f in dataclasses.fields(Layout)})
+        validate(layout_config(base, lay), data=False)  # raises if plait would refuse it
+
+
+def test_a_175b_gpt_on_1024_a100s_plans_in_well_under_a_minute():
+    base = load_plan_config(None, [(a[2:], b) for a, b in zip(ARGS_175B[::2], ARGS_175B[1::2], strict=True)])
+    t0 = time.perf_counter()
+    result = plan(base, GPT175, 1536, 1024, A100, top=5)
+    took = time.perf_counter() - t0
+    assert took < 45, f"planning took {took:.1f} s"
+    best = result["plans"][0]
+    assert best["feasible"] and best["memory_gb"] <= 72
+    assert 0 < best["mfu"] < 1 and best["tflops_per_device"] < A100.peak_tflops
+    assert result["candidates"] > 1000 and result["simulated"] < result["candidates"]
+
+
+def test_cli_errors_are_one_line(capsys):
+    assert main(["plan", "--devices", "8", "--cluster", "nowhere"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "preset" in err
+    assert main(["plan", "--devices", "0"]) == 2
+    assert main(["plan", "--devices", "8", "--model.nope", "1"]) == 2
+    assert "unknown key" in capsys.readouterr().err
+
+
+def test_cluster_file_and_axis_placement(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(
+        'name = "mine"\ngpus_per_node = 4\npeak_tflops = 100.0\nmemory_gb = 40.0\n'
+        "[intra]\nalpha_us = 2.0\nbeta_gbps = 100.0\n[inter]\nalpha_us = 20.0\nbeta_gbps = 10.0\n"
+    )
+    c = load_cluster(str(path))
+    assert c.name == "mine" and c.intra.beta_bps == 100e9 and c.inter.alpha_s == pytest.approx(20e-6)
+    links = axis_links(c, {"tp": 2, "ep": 1, "dp": 2, "pp": 2})
+    assert links["tp"] is c.intra and links["dp"] is c.intra and links["pp"] is c.inter
+    links = axis_links(c, {"tp": 4, "dp": 2})
+    assert links["tp"] is c.intra and links["dp"] is c.inter
+    path.write_text('gpus_per_node = 4\npeak_tflops = "fast"\nmemory_gb = 1\n[intra]\n[inter]\n')
+    with pytest.raises(Exception, match="peak_tflops must be a number"):
+        load_cluster(str(path))
+
+
+def test_balanced_stages_take_blocks_off_the_stage_with_the_logits():
+    got = balanced_stages(block_s=1.0, head_s=3.0, n_layers=8, n_stages=4, microbatches=8)
+    assert got["uniform_t_star_s"] == 8 + 3 + 7 * 5  # stages 2, 2, 2, 2 + 3
+    assert got["t_star_s"] == 8 + 3 + 7 * 4 and got["bounds"][-2] == 7  # the last stage: 1 block + head
+    assert got["t_star_s"] == brute_force_stages(lambda i, j: (j - i) + 3.0 * (j == 8), 8, 4, 8)[0]
+
+
+def test_model_vocab_size_is_a_config_key():
+    from plait.errors import ConfigError
+    from plait.train.config import load_config, model_config
+
+    assert model_config(load_config(None, [("model.vocab_size", "512")])).vocab_size == 512
+    assert model_config(load_config(None, [])).vocab_size == 256  # the named size's
+    with pytest.raises(ConfigError, match="below the 256 byte values"):
+        load_config(None, [("model.vocab_size", "100")])
+    with pytest.raises(ConfigError, match="out of range"):
+        load_config(None, [("model.vocab_size", str(2**21))])
+    # Planning does not read the corpus: a 175B GPT's batch need not fit this machine's text.
+    base = load_plan_config(None, [("model.vocab_size", "51200"), ("model.seq_len", "2048")])
+    assert model_config(base).vocab_size == 51200
+
+
+def test_a_plan_plait_refuses_is_rejected_and_the_search_goes_on():
+    # Gradient compression needs fp32 gradients from ZeRO stage 1 on, and plans train in bf16: plait
+    # refuses those layouts. The enumeration does not know that rule, so plait's validation must
+    # catch every such plan and the search refill the top K with others.
+    overrides = [("model.name", "small"), ("train.global_batch", "32"), ("comm.compression", "fp16")]
+    base = load_plan_config(None, overrides)
+    result = plan(base, model_config(base), 32, 8, A100, top=5)
+    feasible = [r for r in result["plans"] if r["feasible"]]
+    assert len(feasible) == 5 and all(r["zero_stage"] == 0 for r in feasible)
+    refused = [r for r in result["plans"] if r["reason"].startswith("not runnable:")]
+    assert refused and all("comm.compression" in r["reason"] for r in refused)
+    assert refused[0]["step_s"] <= feasible[-1]["step_s"]  # it would have ranked among them
+
+
+def test_presets_and_optional_cluster_fields(tmp_path):
+    h100 = load_cluster("dgx-h100")
+    assert h100.peak_tflops == 989.0 and h100.intra.beta_bps > A100.intra.beta_bps
+    assert h100.inter.beta_bps == 2 * A100.inter.beta_bps  # 400 vs 200 Gb/s per GPU
+    path = tmp_path / "c.toml"
+    path.write_text(
+        "gpus_per_node = 8\npeak_tflops = 312.0\nmemory_gb = 40.0\nefficiency = 0.5\npcie_gbps = 12.5\n"
+        "[intra]\nalpha_us = 5.0\nbeta_gbps = 300.0\n[inter]\nalpha_us = 10.0\nbeta_gbps = 25.0\n"
+    )
+    c = load_cluster(str(path))
+    assert c.name == "c" and c.efficiency == 0.5 and c.pcie_gbps == 12.5 and c.memory_gb == 40.0
+    lay = Layout(dp=8, microbatch_size=1, microbatches=2)
+    cfg = GPTConfig(vocab_size=51200, seq_len=1024, n_layer=12, n_head=12, d_model=768)
+    # Half the memory, five sixths of the efficiency: same memory figure, a slower step.
+    a, b = evaluate(cfg, 16, lay, A100), evaluate(cfg, 16, lay, c)
+    assert a["memory_gb"] == b["memory_gb"] and b["step_s"] > a["step_s"]
+    path.write_text(path.read_text().replace("efficiency = 0.5", "efficiency = 2"))
+    with pytest.raises(Exception, match="out of range"):
+        load_cluster(str(path))
+
+
+def test_config_file_before_or_after_the_options(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\nname = "small"\nvocab_size = 512\n[train]\nglobal_batch = 32\n')
+    outs = []
+    for argv in (
+        ["plan", str(path), "--devices", "4", "--json"],
+        ["plan", "--devices", "4", str(path), "--json"],
+    ):
+        assert main(argv) == 0
+        outs.append(json.loads(capsys.readouterr().out)["plans"][0])
+    assert outs[0] == outs[1]
+    assert outs[0]["dp"] * outs[0]["tp"] * outs[0]["pp"] == 4
