@@ -407,9 +407,9 @@ def _wrap(model, factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks, group
         )
     elif s["sequence_parallel"] or tp_plan is not None or layout_rules is not None:
         raise ConfigError("parallelize: sequence_parallel, tp_plan and layout_rules need tp > 1")
+    ids = {id(b) for b in blocks} if blocks is not None else None
     if s["activation_checkpointing"]:
         if blocks is not None:
-            ids = {id(b) for b in blocks}
             for m in model.modules():  # the blocks given, as recompute.py wraps its own
                 if id(m) in ids:
                     apply_activation_checkpointing(m, (type(m),))
@@ -418,8 +418,7 @@ def _wrap(model, factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks, group
                 "parallelize: activation_checkpointing needs blocks=[...] (the modules to recompute)"
             )
     policy = None
-    if blocks is not None:
-        ids = {id(b) for b in blocks}
+    if ids is not None:
         policy = lambda name, module: id(module) in ids  # noqa: E731
     extra = {}
     if s["zero_stage"] > 0:

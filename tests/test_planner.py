@@ -8,7 +8,6 @@ import dataclasses
 import json
 import math
 import random
-import time
 
 import pytest
 
@@ -131,12 +130,11 @@ def test_json_schema_and_plans_pass_config_validation(capsys):
         validate(layout_config(base, lay), data=False)  # raises if plait would refuse it
 
 
-def test_a_175b_gpt_on_1024_a100s_plans_in_well_under_a_minute():
+def test_a_175b_gpt_on_1024_a100s_gets_a_feasible_plan():
+    # How long planning takes is measured by benchmarks/plan_published.py (its "planning s"
+    # column, up to 3072 devices), not asserted here.
     base = load_plan_config(None, [(a[2:], b) for a, b in zip(ARGS_175B[::2], ARGS_175B[1::2], strict=True)])
-    t0 = time.perf_counter()
     result = plan(base, GPT175, 1536, 1024, A100, top=5)
-    took = time.perf_counter() - t0
-    assert took < 45, f"planning took {took:.1f} s"
     best = result["plans"][0]
     assert best["feasible"] and best["memory_gb"] <= 72
     assert 0 < best["mfu"] < 1 and best["tflops_per_device"] < A100.peak_tflops

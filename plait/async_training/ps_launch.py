@@ -151,15 +151,10 @@ def _uses_cuda(cfg) -> bool:
 
 
 def _config(cfg_dict: dict):
-    """The launcher's configuration, validated there already (again here would load the corpus
-    in every process)."""
-    from plait.train.config import Config, set_key
+    """The launcher's configuration (its corpus check made there: not again in every process)."""
+    from plait.train.config import config_from_dict
 
-    cfg = Config()
-    for section, values in cfg_dict.items():
-        for key, value in values.items():
-            set_key(cfg, section, key, value, from_cli=False)
-    return cfg
+    return config_from_dict(cfg_dict, check_data=False)
 
 
 def _leave() -> None:

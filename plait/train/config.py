@@ -367,13 +367,14 @@ def _read_config_text(p: Path) -> str:
         ) from None
 
 
-def config_from_dict(data: dict) -> Config:
-    """The inverse of `Config.to_dict()` (validated)."""
+def config_from_dict(data: dict, check_data: bool = True) -> Config:
+    """The inverse of `Config.to_dict()` (validated; `check_data=False` skips the check that
+    loads the corpus, for processes whose launcher made it already)."""
     cfg = Config()
     for section, values in data.items():
         for key, value in values.items():
             set_key(cfg, section, key, value, from_cli=False)
-    validate(cfg)
+    validate(cfg, data=check_data)
     return cfg
 
 
