@@ -125,7 +125,6 @@ def train_bpe(texts, vocab_size: int) -> HFTokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        min_frequency=2,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
         show_progress=False,
