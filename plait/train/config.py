@@ -870,12 +870,12 @@ def _check_data_fits(cfg: Config, seq_len: int) -> None:
     tokenizer = d.tokenizer
     saved = Path(t.run_dir) / "tokenizer.json" if t.run_dir else None
     if (
-        tokenizer == "bpe"
+        tokenizer != "bytes"
         and saved is not None
         and saved.is_file()
         and (saved.parent / "checkpoints").exists()
     ):
-        tokenizer = str(saved)  # a resumed run keeps the BPE it was trained with
+        tokenizer = str(saved)  # a resumed run keeps the tokenizer it was trained with
     corpus = load_corpus(d.corpus, d.held_out_fraction, tokenizer, d.vocab_size, d.cache_dir or None, True)
     DistributedBatchSampler(
         corpus.train, seq_len, t.global_batch, 0, cfg.parallel.dp, t.seed, micro_batches=t.micro_batches

@@ -380,7 +380,7 @@ def _load_data(cfg: Config, mesh: Mesh, run_dir: Path, resume: bool):
     d = cfg.data
     saved = run_dir / "tokenizer.json"
     spec = d.tokenizer
-    if spec == "bpe" and resume and saved.is_file():
+    if spec != "bytes" and resume and saved.is_file():
         spec = str(saved)
     load = lambda tokenizer: load_corpus(  # noqa: E731
         d.corpus, d.held_out_fraction, tokenizer, d.vocab_size, d.cache_dir or None, cfg.train.progress
