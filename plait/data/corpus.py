@@ -124,7 +124,7 @@ def load_corpus(
         tok = ByteTokenizer()
     elif tokenizer == "bpe":
         key = cache.cache_key("bpe", fingerprint, held_out_fraction, vocab_size)
-        tok = cache.cached_bpe(root, key, lambda: text.get()[0], vocab_size)
+        tok = cache.cached_bpe(root, key, lambda: text.get()[0], vocab_size, progress)
         tok.name = "bpe"
     else:
         from plait.data.tokenizer import load_tokenizer_file

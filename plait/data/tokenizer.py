@@ -115,7 +115,7 @@ def text_pieces(text: str, size: int = CHUNK_CHARS) -> list[str]:
     return out
 
 
-def train_bpe(texts, vocab_size: int) -> HFTokenizer:
+def train_bpe(texts, vocab_size: int, progress: bool = False) -> HFTokenizer:
     """A byte-level BPE of at most `vocab_size` ids trained on `texts` (strings: pieces of the
     training split). Deterministic: the same text and size give the same tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -127,7 +127,7 @@ def train_bpe(texts, vocab_size: int) -> HFTokenizer:
         vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
-        show_progress=False,
+        show_progress=progress,  # tokenizers' own bar
     )
     tok.train_from_iterator(texts, trainer)
     out = HFTokenizer(tok, "bpe")

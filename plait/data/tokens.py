@@ -137,7 +137,7 @@ def open_entry(entry: Path) -> tuple[np.memmap, np.memmap, dict] | None:
     return maps[0], maps[1], meta
 
 
-def cached_bpe(cache: Path, key: str, train_text, vocab_size: int):
+def cached_bpe(cache: Path, key: str, train_text, vocab_size: int, progress: bool = False):
     """The BPE trained on the training split (`train_text()` gives it), from the cache or trained
     now and cached."""
     from plait.data.tokenizer import load_tokenizer_file, text_pieces, train_bpe
@@ -145,7 +145,7 @@ def cached_bpe(cache: Path, key: str, train_text, vocab_size: int):
     path = cache / "bpe" / f"{key}.json"
     if path.is_file():
         return load_tokenizer_file(path)
-    tok = train_bpe(text_pieces(train_text()), vocab_size)
+    tok = train_bpe(text_pieces(train_text()), vocab_size, progress and show_progress())
     STATS["bpe_trained"] += 1
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _private_name(path)
