@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 from plait.errors import CheckpointError, ConfigError
@@ -27,8 +28,12 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def _windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> Batch:
-    rows = tokens[starts[:, None] + torch.arange(seq_len + 1)].long()
+def _windows(tokens: torch.Tensor | np.ndarray, starts: torch.Tensor, seq_len: int) -> Batch:
+    index = starts[:, None] + torch.arange(seq_len + 1)
+    if isinstance(tokens, np.ndarray):  # a memmap: the fancy index reads just these windows' pages
+        rows = torch.from_numpy(tokens[index.numpy()].astype(np.int64))
+    else:
+        rows = tokens[index].long()
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
@@ -36,7 +41,8 @@ class DistributedBatchSampler:
     """This rank's share of every global batch, split into micro-batches.
 
     Args:
-        tokens: 1-D tensor of token ids (e.g. ``Corpus.train``).
+        tokens: 1-D token ids (``Corpus.train``): a tensor, or a numpy array such as the memmap
+            of the token cache, read window by window and never whole.
         seq_len: tokens per training sequence.
         global_batch: sequences per optimizer step, summed over all data-parallel ranks.
         dp_rank, dp_size: this rank's position on the data-parallel axis and its size.
@@ -49,7 +55,7 @@ class DistributedBatchSampler:
 
     def __init__(
         self,
-        tokens: torch.Tensor,
+        tokens: torch.Tensor | np.ndarray,
         seq_len: int,
         global_batch: int,
         dp_rank: int,
@@ -173,7 +179,7 @@ class DistributedBatchSampler:
 
 
 def eval_batches(
-    tokens: torch.Tensor, seq_len: int, batch_size: int, n_batches: int | None = None
+    tokens: torch.Tensor | np.ndarray, seq_len: int, batch_size: int, n_batches: int | None = None
 ) -> list[Batch]:
     """Deterministic evaluation batches: consecutive windows from the start of ``tokens``.
 

@@ -62,8 +62,30 @@ class ModelConfig:
 class DataConfig:
     """The text to train on."""
 
-    corpus: str = _f("pydoc", "'pydoc' (CPython's bundled documentation text) or 'file:PATH' for a text file")
+    corpus: str = _f(
+        "pydoc",
+        "'pydoc' (CPython's bundled documentation text), a text file, a directory of .txt / .jsonl files "
+        "(jsonl: a 'text' field per line; sorted, documents joined by a blank line), or 'file:PATH'",
+    )
     held_out_fraction: float = _f(0.05, "fraction of the corpus (its end) kept for the held-out loss")
+    tokenizer: str = _f(
+        "bytes",
+        "'bytes' (UTF-8 bytes, 256 ids), 'bpe' (a byte-level BPE of data.vocab_size trained on the training "
+        "split, saved as <run_dir>/tokenizer.json) or the path of a tokenizer.json",
+    )
+    vocab_size: int = _f(4096, "data.tokenizer = 'bpe': the BPE's vocabulary size, 256 .. 1,048,576")
+    cache_dir: str = _f(
+        "", "token cache (memory-mapped tokens, trained BPEs); default $PLAIT_CACHE_DIR or ~/.cache/plait"
+    )
+
+
+@dataclasses.dataclass
+class LogConfig:
+    """What the run logs besides metrics.jsonl."""
+
+    tensorboard: bool = _f(
+        False, "write TensorBoard event files into <run_dir>/tensorboard (pip install plait[tensorboard])"
+    )
 
 
 @dataclasses.dataclass
@@ -202,6 +224,7 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     ps: PsConfig = dataclasses.field(default_factory=PsConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
 
     @property
     def world_size(self) -> int:
@@ -232,6 +255,7 @@ _SECTION_TYPES = {
     "optim": OptimConfig,
     "offload": OffloadConfig,
     "ps": PsConfig,
+    "log": LogConfig,
 }
 
 
@@ -510,13 +534,15 @@ def validate(cfg: Config, data: bool = True) -> None:
         sizes["d_model"] % sizes["n_head"] == 0,
         f"model.d_model = {sizes['d_model']} is not divisible by model.n_head = {sizes['n_head']}",
     )
+    _validate_data_keys(cfg)
     m = model_config(cfg)
-    if data:
+    if data and cfg.data.tokenizer == "bytes":
         _require(
             m.vocab_size >= 256,
             f"model.vocab_size = {m.vocab_size} is below the 256 byte values of plait's corpora: "
             "use model.vocab_size >= 256",
         )
+    if data:
         _check_data_fits(cfg, m.seq_len)
     _require(m.n_head % p.tp == 0, f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}")
     _require(m.ff_dim % p.tp == 0, f"model.d_ff = {m.ff_dim} is not divisible by parallel.tp = {p.tp}")
@@ -576,6 +602,7 @@ def _validate_ps(cfg: Config) -> None:
         "comm.compression": (cfg.comm.compression, "none"),
         "offload.optimizer": (cfg.offload.optimizer, "none"),
         "model.experts": (cfg.model.experts, 0),
+        "data.tokenizer": (cfg.data.tokenizer, "bytes"),
     }
     for key, (value, default) in others.items():
         _require(
@@ -835,8 +862,21 @@ def _check_data_fits(cfg: Config, seq_len: int) -> None:
     """The corpus must hold a global batch for training and one for the held-out evaluation."""
     from plait.data import DistributedBatchSampler, load_corpus
 
-    t = cfg.train
-    corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)  # unknown/unreadable: ConfigError
+    t, d = cfg.train, cfg.data
+    if d.cache_dir:
+        check_writable_dir(d.cache_dir, "data.cache_dir")
+    # an unknown name, a bad path, an empty directory, a bad jsonl line: ConfigError. A BPE is trained
+    # and the corpus tokenized here, once, into the token cache that the ranks then read.
+    tokenizer = d.tokenizer
+    saved = Path(t.run_dir) / "tokenizer.json" if t.run_dir else None
+    if (
+        tokenizer != "bytes"
+        and saved is not None
+        and saved.is_file()
+        and (saved.parent / "checkpoints").exists()
+    ):
+        tokenizer = str(saved)  # a resumed run keeps the tokenizer it was trained with
+    corpus = load_corpus(d.corpus, d.held_out_fraction, tokenizer, d.vocab_size, d.cache_dir or None, True)
     DistributedBatchSampler(
         corpus.train, seq_len, t.global_batch, 0, cfg.parallel.dp, t.seed, micro_batches=t.micro_batches
     )
@@ -850,7 +890,8 @@ def _check_data_fits(cfg: Config, seq_len: int) -> None:
 
 
 def model_config(cfg: Config):
-    """The GPTConfig the run builds: the named size with the overrides applied."""
+    """The GPTConfig the run builds: the named size with the overrides applied (the vocabulary,
+    when not set, follows a tokenizer other than bytes)."""
     from plait.models import gpt_config
 
     m = cfg.model
@@ -859,11 +900,66 @@ def model_config(cfg: Config):
         for k in ("n_layer", "n_head", "d_model", "d_ff", "seq_len", "vocab_size")
         if getattr(m, k) is not None
     }
+    if m.vocab_size is None and cfg.data.tokenizer != "bytes":
+        overrides["vocab_size"] = tokenizer_vocab_size(cfg.data)
     moe = {
         k: getattr(m, k)
         for k in ("experts", "moe_every", "top_k", "capacity_factor", "aux_loss_coef", "z_loss_coef")
     }
     return gpt_config(m.name, dropout=m.dropout, tie_weights=m.tie_weights, **overrides, **moe)
+
+
+MAX_BPE_VOCAB = 2**20
+
+
+def tokenizer_vocab_size(d: DataConfig) -> int:
+    """Token ids of the configured tokenizer: 256 bytes, data.vocab_size for a BPE to train (it may
+    learn fewer), or the size of the tokenizer.json at data.tokenizer."""
+    if d.tokenizer == "bytes":
+        return 256
+    if d.tokenizer == "bpe":
+        return d.vocab_size
+    path = Path(d.tokenizer).expanduser()
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        stamp = None
+    return _tokenizer_file_size(str(path), stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer_file_size(path: str, stamp) -> int:
+    from plait.data.tokenizer import load_tokenizer_file
+
+    return load_tokenizer_file(path).vocab_size  # missing or malformed: a ConfigError naming the key
+
+
+def _validate_data_keys(cfg: Config) -> None:
+    """data.tokenizer, data.vocab_size and [log] (the corpus itself: `_check_data_fits`)."""
+    d, m = cfg.data, cfg.model
+    _require(
+        256 <= d.vocab_size <= MAX_BPE_VOCAB,
+        f"data.vocab_size = {d.vocab_size} is out of range: a byte-level BPE has 256 .. "
+        f"{MAX_BPE_VOCAB:,} ids",
+    )
+    _require(
+        d.tokenizer.strip() != "",
+        "data.tokenizer is empty; valid: 'bytes', 'bpe', or the path of a tokenizer.json",
+    )
+    if d.tokenizer != "bytes":
+        size = tokenizer_vocab_size(d)
+        _require(
+            m.vocab_size is None or m.vocab_size >= size,
+            f"model.vocab_size = {m.vocab_size} is smaller than the {size} ids of data.tokenizer = "
+            f"{d.tokenizer!r}; leave model.vocab_size unset (it follows the tokenizer) or use >= {size}",
+        )
+    if cfg.log.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "log.tensorboard = true needs the tensorboard package: pip install plait[tensorboard]"
+            ) from None
 
 
 def describe_keys() -> str:

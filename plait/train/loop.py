@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from plait import comm
 from plait.data import DistributedBatchSampler, eval_batches, load_corpus
+from plait.data.tokenizer import bits_per_byte, target_bytes
 from plait.engine import Engine, ErrorFeedback, RecordsTimeline
 from plait.errors import CheckpointError, ConfigError, DivergedError
 from plait.mesh import Mesh, init_distributed
@@ -217,6 +218,7 @@ class _Run:
     flops_per_token: float
     peak_flops: float
     timeline_step: int  # the step whose action timeline is recorded (engines that record one)
+    val_tokens_bytes: tuple[int, int] = (1, 1)  # tokens the held-out loss averages over, their bytes
     skipped_in_a_row: int = 0  # consecutive steps skipped for a non-finite loss or gradient norm
     skipped: int = 0  # all steps skipped so far in this invocation
 
@@ -254,11 +256,8 @@ def _train(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
             if step == t.steps:
                 engine.finish()  # the final held-out loss is of the final parameters
             val_loss = record["val_loss"] = evaluate(engine, run.val, mesh, mesh.device, t.bf16)
-            _say(
-                mesh,
-                f"step {step:>5}/{t.steps} | held-out loss {val_loss:.4f} ({val_loss / math.log(2):.3f} "
-                f"bits/byte)",
-            )
+            bpb = record["val_bits_per_byte"] = bits_per_byte(val_loss, *run.val_tokens_bytes)
+            _say(mesh, f"step {step:>5}/{t.steps} | held-out loss {val_loss:.4f} ({bpb:.3f} bits/byte)")
         run.metrics.write(**record)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
@@ -305,7 +304,7 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
     comm.barrier(mesh)
 
     mcfg = model_config(cfg)
-    corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)
+    corpus = _load_data(cfg, mesh, run_dir, resume)
     dp = mesh.size(data_axis(mesh))  # data-parallel ranks: dp, or dp x ep
     sampler = DistributedBatchSampler(
         corpus.train,
@@ -317,6 +316,7 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
         micro_batches=micro_batches_per_step(cfg),
     )
     val = eval_batches(corpus.val, mcfg.seq_len, t.global_batch, t.eval_batches)
+    val_tokens_bytes = target_bytes(val, corpus.token_bytes())  # for bits per byte
 
     # measured (if not cached) before seeding; it uses its own generator anyway
     peak = peak_flops or peak_flops_per_rank(device, t.bf16, torch.get_num_threads(), t.peak_tflops)
@@ -354,7 +354,12 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
         raw=raw,
         engine=engine,
         scheduler=scheduler,
-        metrics=MetricsWriter(run_dir, mesh.global_rank),
+        metrics=MetricsWriter(
+            run_dir,
+            mesh.global_rank,
+            tensorboard=cfg.log.tensorboard,
+            purge_step=start + 1 if start else None,
+        ),
         start=start,
         last=last,
         n_params=n_params,
@@ -363,8 +368,28 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
         # model FLOPs: recomputation is overhead, not useful work, so MFU never counts it
         flops_per_token=gpt_train_flops_per_token(mcfg, recompute=False),
         peak_flops=peak,
+        val_tokens_bytes=val_tokens_bytes,
         timeline_step=min(start + 3, last),  # the third step, after warm-up
     )
+
+
+def _load_data(cfg: Config, mesh: Mesh, run_dir: Path, resume: bool):
+    """The corpus, tokenized (plait.data): rank 0 first (training a BPE, tokenizing into the cache
+    if the launcher's validation has not), then the others, which find it in the cache. A
+    tokenizer other than bytes is saved as <run_dir>/tokenizer.json, which a resumed run reuses."""
+    d = cfg.data
+    saved = run_dir / "tokenizer.json"
+    spec = d.tokenizer
+    if spec != "bytes" and resume and saved.is_file():
+        spec = str(saved)
+    load = lambda tokenizer: load_corpus(  # noqa: E731
+        d.corpus, d.held_out_fraction, tokenizer, d.vocab_size, d.cache_dir or None, cfg.train.progress
+    )
+    corpus = load(spec) if mesh.is_rank0 else None
+    if corpus is not None and spec != "bytes" and Path(spec) != saved:
+        corpus.tokenizer.save(saved)
+    comm.barrier(mesh)
+    return corpus if corpus is not None else load("bytes" if spec == "bytes" else str(saved))
 
 
 def _restarting(run_dir: Path, mesh: Mesh, restart: int, limit: int) -> bool:
@@ -659,7 +684,8 @@ def _finish(run: _Run, loss: float, val_loss: float | None) -> dict:
         "loss": loss,
         "val_loss": val_loss,
         "params": n_params,
-        "unigram_entropy_bits": corpus.unigram_entropy_bits(),
+        "tokenizer": corpus.tokenizer.name,
+        "unigram_entropy_bits": corpus.unigram_entropy_bits(),  # per token
         "model_state_bytes_per_rank": memory,
     }
     sample = None
@@ -686,11 +712,11 @@ def _finish(run: _Run, loss: float, val_loss: float | None) -> dict:
 
         plot_expert_load(records, run_dir / "expert_load.png", title=f"expert load, mesh {mesh.shape_str()}")
     if val_loss is not None:
-        summary["val_bits_per_byte"] = val_loss / math.log(2)
+        bpb = summary["val_bits_per_byte"] = bits_per_byte(val_loss, *run.val_tokens_bytes)
         _say(
             mesh,
-            f"held-out loss {val_loss:.4f} nats/byte = {val_loss / math.log(2):.3f} bits/byte; "
-            f"unigram entropy of the corpus {summary['unigram_entropy_bits']:.3f} bits/byte",
+            f"held-out loss {val_loss:.4f} nats/token = {bpb:.3f} bits/byte; unigram entropy of the "
+            f"corpus's tokens {summary['unigram_entropy_bits']:.3f} bits/token",
         )
     mib = {k: v / 2**20 for k, v in memory.items()}
     _say(

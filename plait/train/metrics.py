@@ -11,21 +11,33 @@ import torch
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to `metrics.jsonl` (rank 0) or `metrics-rank<r>.jsonl`."""
+    """Appends one JSON object per line to `metrics.jsonl` (rank 0) or `metrics-rank<r>.jsonl`;
+    with `tensorboard`, rank 0 also writes every record's numbers as TensorBoard scalars."""
 
-    def __init__(self, run_dir: Path, rank: int):
+    def __init__(self, run_dir: Path, rank: int, tensorboard: bool = False, purge_step: int | None = None):
         name = "metrics.jsonl" if rank == 0 else f"metrics-rank{rank}.jsonl"
         self.path = Path(run_dir) / name
         self._fh = open(self.path, "a", buffering=1)
+        self._tb = None
+        if tensorboard and rank == 0:
+            from plait.train.tensorboard import TensorBoardWriter
+
+            self._tb = TensorBoardWriter(Path(run_dir) / "tensorboard", purge_step=purge_step)
 
     def write(self, **record) -> None:
         self._fh.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            self._tb.write(record)
 
     def flush(self) -> None:
         self._fh.flush()
+        if self._tb is not None:
+            self._tb.flush()
 
     def close(self) -> None:
         self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def read_metrics(path: str | Path) -> list[dict]:
