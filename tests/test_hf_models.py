@@ -17,6 +17,8 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import TINY, plait_train, plait_train_all  # noqa: E402
+
 from plait.errors import ConfigError  # noqa: E402
 from plait.optim import build_optimizer, param_groups  # noqa: E402
 from plait.testing import (  # noqa: E402
@@ -163,3 +165,208 @@ def test_parallel_layouts_match_one_process(parity, arch, layout):
         held.update(res["params"])
     assert_close_params(held, ref["params"], atol=1e-5, what=what)
     assert ref["losses"][-1] < ref["losses"][0]  # it trains: the comparison is of a moving run
+
+
+# --- end to end: plait train, plait export, transformers' from_pretrained, model.weights -----------
+
+RUNS = {  # two 2-rank runs of 8 steps (checkpoints at 4 and 8)
+    "llama": ("--model.source", "hf:llama", "--model.n_head", "4", "--model.n_kv_head", "2")
+    + ("--parallel.dp", "1", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"),
+    "gpt2": ("--model.source", "hf:gpt2", "--parallel.dp", "1", "--parallel.pp", "2"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("hf-runs")
+    args = {name: (*TINY, *extra, "--train.run_dir", str(base / name)) for name, extra in RUNS.items()}
+    done = plait_train_all(args, timeout=300)
+    for name, r in done.items():
+        assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
+    return {name: base / name for name in RUNS}
+
+
+def _tokens():
+    return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+def _checkpoint_logits(run_dirs):
+    return [_logits_of(d) for d in run_dirs]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_logits(runs):
+    """{arch: logits of the run's last checkpoint}, both from one 1-rank spawn."""
+    (logits,) = run_ranks(_checkpoint_logits, 1, args=([runs[a] for a in RUNS],))
+    return dict(zip(RUNS, logits, strict=True))
+
+
+def _logits_of(run_dir):
+    """On one rank: the run's latest checkpoint loaded as `plait train --resume` loads it,
+    resharded to one process, and the model's logits on `_tokens()`."""
+    from plait.data import DistributedBatchSampler, load_corpus
+    from plait.mesh import Mesh
+    from plait.models.source import build_model
+    from plait.train.build import build_engine
+    from plait.train.checkpoint import latest_checkpoint, load_checkpoint
+    from plait.train.config import load_config
+
+    mesh = Mesh(dp=1, timeout_s=60)
+    one = [
+        ("parallel.dp", "1"),
+        ("parallel.tp", "1"),
+        ("parallel.pp", "1"),
+        ("parallel.sequence_parallel", "false"),
+    ]
+    cfg = load_config(run_dir / "config.toml", one)
+    raw = build_model(cfg)
+    engine = build_engine(raw, cfg, mesh, run_dir)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1.0)
+    corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)
+    sampler = DistributedBatchSampler(corpus.train, raw.cfg.seq_len, cfg.train.global_batch, 0, 1, 0)
+    assert load_checkpoint(latest_checkpoint(run_dir / "checkpoints"), mesh, engine, scheduler, sampler) == 8
+    with torch.no_grad():
+        logits = raw.eval()(_tokens())
+    engine.close()
+    mesh.close()
+    return logits
+
+
+@pytest.mark.parametrize("arch", list(RUNS))
+def test_export_loads_with_from_pretrained_and_gives_the_checkpoints_logits(
+    runs, checkpoint_logits, arch, tmp_path
+):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from plait.train.export import export
+
+    out = export(runs[arch], tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["model_type"] == arch
+    hf = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[arch]
+    with torch.no_grad():
+        theirs = hf(_tokens()).logits
+    torch.testing.assert_close(theirs, checkpoint_logits[arch], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", list(RUNS))
+def test_weights_of_the_export_reproduce_the_held_out_loss(runs, arch, tmp_path):
+    """model.weights = the exported directory: the model built from it (as every rank builds it)
+    gives the held-out loss the run reported at its last step."""
+    import json
+
+    from plait.data import eval_batches, load_corpus
+    from plait.models.source import build_model
+    from plait.train.config import load_config
+    from plait.train.export import export
+
+    out = export(runs[arch], tmp_path / "hf")
+    cfg = load_config(runs[arch] / "config.toml", [("model.weights", str(out)), ("parallel.pp", "1")])
+    model = build_model(cfg).eval()
+    corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in eval_batches(
+            corpus.val, model.cfg.seq_len, cfg.train.global_batch, cfg.train.eval_batches
+        ):
+            total += float(model(x, y, reduction="sum"))
+            count += y.numel()
+    reported = json.loads((runs[arch] / "summary.json").read_text())["val_loss"]
+    assert abs(total / count - reported) <= 1e-5
+
+
+# --- bad inputs: one ConfigError line each, before any process starts --------------------------
+
+
+def _bad(**keys) -> Config:
+    cfg = _config("llama", {}, False)
+    sections = {}
+    for dotted, value in keys.items():
+        section, key = dotted.split("__")
+        sections.setdefault(section, {})[key] = value
+    return dataclasses.replace(
+        cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in sections.items()}
+    )
+
+
+BAD = {
+    "unknown source": (
+        dict(model__source="hf:bert"),
+        r"model.source = 'hf:bert' is unknown; valid: plait, hf:gpt2",
+    ),
+    "python factory": (dict(model__source="python:pkg.mod:make"), "python factories are not built yet"),
+    "heads by tp": (
+        dict(model__n_head=4, model__n_kv_head=4, parallel__tp=8, parallel__dp=1),
+        "n_kv_head = 4 is not divisible by parallel.tp = 8",
+    ),
+    "kv heads by tp": (
+        dict(model__n_kv_head=1, parallel__tp=2),
+        "n_kv_head = 1 is not divisible by parallel.tp = 2",
+    ),
+    "kv heads by heads": (
+        dict(model__n_kv_head=3),
+        r"n_kv_head = 3 does not divide model.n_head = 4; valid: \[1, 2, 4\]",
+    ),
+    "missing weights": (
+        dict(model__weights="/nonexistent/dir"),
+        "model.weights = '/nonexistent/dir': no such directory",
+    ),
+    "experts": (dict(model__experts=4), "model.experts = 4 does not apply to model.source = 'hf:llama'"),
+    "dropout": (dict(model__dropout=0.1), "model.dropout = 0.1 does not apply"),
+    "kv heads on gpt2": (dict(model__source="hf:gpt2", model__n_kv_head=2), "does not apply to hf:gpt2"),
+    "kv heads on plait": (dict(model__source="plait", model__n_kv_head=2), "applies to hf sources only"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_inputs_are_one_config_error(case):
+    keys, message = BAD[case]
+    with pytest.raises(ConfigError, match=message) as info:
+        validate(_bad(**keys), data=False)
+    assert "\n" not in str(info.value)
+
+
+def test_transformers_missing_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a)
+    )
+    with pytest.raises(ConfigError, match=r"needs the transformers package: pip install plait\[hf\]"):
+        validate(_bad(), data=False)
+
+
+def test_weights_that_do_not_fit_are_refused(runs, tmp_path):
+    """A weights directory without the file, and one of another model's shapes."""
+    from plait.train.export import export
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="holds no model.safetensors"):
+        validate(_bad(model__weights=str(empty)), data=False)
+    out = export(runs["llama"], tmp_path / "hf")  # 4 heads of d_model 32, n_kv_head 2
+    with pytest.raises(ConfigError, match=r"does not fit the configured model \(.*shape .*k_proj"):
+        validate(_bad(model__weights=str(out), model__n_kv_head=4), data=False)
+    with pytest.raises(ConfigError, match="does not fit the configured model"):
+        validate(_bad(model__weights=str(out), model__source="hf:gpt2", model__n_kv_head=None), data=False)
+
+
+def test_plait_train_refuses_before_starting(tmp_path):
+    r = plait_train(
+        *TINY,
+        "--model.source",
+        "hf:llama",
+        "--model.n_kv_head",
+        "3",
+        "--model.n_head",
+        "4",
+        "--train.run_dir",
+        str(tmp_path / "run"),
+    )
+    assert r.returncode != 0
+    assert "ConfigError" in r.stderr or "n_kv_head = 3" in r.stderr
+    assert "n_kv_head = 3 does not divide model.n_head = 4" in r.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
