@@ -42,14 +42,22 @@ LAYOUTS = {
     "zero3": (2, dict(dp=2, zero_stage=3), True),
     "pp2": (2, dict(pp=2, microbatches=2), False),
     "dp2xtp2": (4, dict(dp=2, tp=2, sequence_parallel=True, zero_stage=1), False),
+    "dp2xtp2-zero3-recompute": (4, dict(dp=2, tp=2, sequence_parallel=True, zero_stage=3), True),
+    "pp2xtp2": (4, dict(pp=2, tp=2, sequence_parallel=True, microbatches=2), False),
 }
+RECOMPUTE = ("dp2xtp2-zero3-recompute",)  # with train.activation_checkpointing
 
 
-def _config(arch: str, parallel: dict, sgd: bool) -> Config:
+def _config(arch: str, parallel: dict, sgd: bool, recompute: bool = False) -> Config:
     cfg = Config()
     model = dataclasses.replace(cfg.model, **SIZES, **ARCHS[arch])
     train = dataclasses.replace(
-        cfg.train, global_batch=BATCH, lr=0.2 if sgd else 3e-3, grad_clip=0.0 if sgd else 0.5, seed=0
+        cfg.train,
+        global_batch=BATCH,
+        lr=0.2 if sgd else 3e-3,
+        grad_clip=0.0 if sgd else 0.5,
+        seed=0,
+        activation_checkpointing=recompute,
     )
     optim = dataclasses.replace(cfg.optim, name="sgd" if sgd else "adamw")
     parallel = dataclasses.replace(cfg.parallel, **{**ONE, **parallel})
@@ -141,7 +149,7 @@ def parity():
     out = {}
     for world in sorted({w for w, _, _ in LAYOUTS.values()}):
         keys = [(a, name) for a in ARCHS for name, (w, _, _) in LAYOUTS.items() if w == world]
-        cfgs = [_config(a, LAYOUTS[name][1], LAYOUTS[name][2]) for a, name in keys]
+        cfgs = [_config(a, LAYOUTS[name][1], LAYOUTS[name][2], name in RECOMPUTE) for a, name in keys]
         for cfg in cfgs:
             validate(cfg, data=False)  # each layout passes the launcher's validation
         results = run_ranks(_train_all, world, args=(cfgs,), timeout=300)
