@@ -41,6 +41,7 @@ LAYOUTS = {
     "tp2-sp": (2, dict(tp=2, sequence_parallel=True), False),
     "zero3": (2, dict(dp=2, zero_stage=3), True),
     "pp2": (2, dict(pp=2, microbatches=2), False),
+    "pp2-zb-h1-zero1": (2, dict(pp=2, microbatches=2, schedule="zb-h1", zero_stage=1), True),
     "dp2xtp2": (4, dict(dp=2, tp=2, sequence_parallel=True, zero_stage=1), False),
     "dp2xtp2-zero3-recompute": (4, dict(dp=2, tp=2, sequence_parallel=True, zero_stage=3), True),
     "pp2xtp2": (4, dict(pp=2, tp=2, sequence_parallel=True, microbatches=2), False),
