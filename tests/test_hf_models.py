@@ -308,11 +308,15 @@ BAD = {
     "python factory": (dict(model__source="python:pkg.mod:make"), "python factories are not built yet"),
     "heads by tp": (
         dict(model__n_head=4, model__n_kv_head=4, parallel__tp=8, parallel__dp=1),
-        "n_kv_head = 4 is not divisible by parallel.tp = 8",
+        "model.n_head = 4 is not divisible by parallel.tp = 8",
     ),
     "kv heads by tp": (
         dict(model__n_kv_head=1, parallel__tp=2),
         "n_kv_head = 1 is not divisible by parallel.tp = 2",
+    ),
+    "gpt2 heads by tp": (
+        dict(model__source="hf:gpt2", model__n_kv_head=None, parallel__tp=8, parallel__dp=1),
+        "model.n_head = 4 is not divisible by parallel.tp = 8",
     ),
     "kv heads by heads": (
         dict(model__n_kv_head=3),
@@ -364,6 +368,7 @@ def test_weights_that_do_not_fit_are_refused(runs, tmp_path):
 
 
 def test_plait_train_refuses_before_starting(tmp_path):
+    run = tmp_path / "run"
     r = plait_train(
         *TINY,
         "--model.source",
@@ -373,9 +378,11 @@ def test_plait_train_refuses_before_starting(tmp_path):
         "--model.n_head",
         "4",
         "--train.run_dir",
-        str(tmp_path / "run"),
+        str(run),
     )
-    assert r.returncode != 0
-    assert "ConfigError" in r.stderr or "n_kv_head = 3" in r.stderr
-    assert "n_kv_head = 3 does not divide model.n_head = 4" in r.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert r.returncode == 2
+    assert (
+        r.stderr.strip()
+        == "plait: config error: model.n_kv_head = 3 does not divide model.n_head = 4; valid: [1, 2, 4]"
+    )
+    assert not run.exists()  # refused before the run directory or any rank

@@ -113,6 +113,11 @@ def validate_source(cfg) -> None:
         )
     if c.arch == "llama" and c.head_dim % 2:
         raise ConfigError(f"hf:llama: the head size d_model / n_head = {c.head_dim} must be even (rotary)")
+    if c.n_head % p.tp:
+        raise ConfigError(
+            f"model.n_head = {c.n_head} is not divisible by parallel.tp = {p.tp}: each tensor-parallel rank "
+            "holds whole heads; choose n_head a multiple of tp"
+        )
     if c.kv_heads % p.tp:
         raise ConfigError(
             f"model.n_kv_head = {c.kv_heads} is not divisible by parallel.tp = {p.tp}: each tensor-parallel "
