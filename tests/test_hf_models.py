@@ -386,3 +386,23 @@ def test_plait_train_refuses_before_starting(tmp_path):
         == "plait: config error: model.n_kv_head = 3 does not divide model.n_head = 4; valid: [1, 2, 4]"
     )
     assert not run.exists()  # refused before the run directory or any rank
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_weights_of_a_transformers_save_pretrained_directory(arch, tmp_path):
+    """A directory written by transformers itself (not by plait): the model built with
+    model.weights = DIR gives transformers' own logits, and a different seed's model does not."""
+    from plait.models.hf import hf_model_class
+    from plait.models.source import hf_model_config
+
+    cfg = _config(arch, {}, False)
+    torch.manual_seed(123)  # not the run's seed: the weights must come from the file
+    theirs = hf_model_class(arch)(hf_model_config(cfg).to_hf_config()).eval()
+    theirs.save_pretrained(str(tmp_path))
+    loaded = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=str(tmp_path)))
+    validate(loaded, data=False)  # the header's names and shapes fit
+    x = _batches()[0][0]
+    with torch.no_grad():
+        want = theirs(x).logits
+        torch.testing.assert_close(_build(loaded).eval()(x), want, atol=1e-5, rtol=0)
+        assert (_build(cfg).eval()(x) - want).abs().max() > 1e-2  # without weights: another model
