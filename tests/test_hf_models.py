@@ -406,3 +406,24 @@ def test_weights_of_a_transformers_save_pretrained_directory(arch, tmp_path):
         want = theirs(x).logits
         torch.testing.assert_close(_build(loaded).eval()(x), want, atol=1e-5, rtol=0)
         assert (_build(cfg).eval()(x) - want).abs().max() > 1e-2  # without weights: another model
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_config_counts_the_models_parameters_and_names_are_transformers(arch, tie):
+    """HFConfig.n_params (the launcher's memory check reads it) is the built model's count, and the
+    wrapper's parameter names are exactly the transformers model's state-dict keys."""
+    from plait.models.hf import hf_model_class
+    from plait.models.source import hf_model_config
+
+    cfg = _config(arch, {}, False)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tie_weights=tie))
+    model = _build(cfg)
+    assert sum(p.numel() for p in model.parameters()) == model.cfg.n_params()
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    hf = hf_model_class(arch)(hf_model_config(cfg).to_hf_config())
+    assert names == set(hf.state_dict())
+    assert (model.lm_head.weight is model.root.get_submodule(_EMBED[arch]).weight) == tie
+
+
+_EMBED = {"llama": "embed_tokens", "gpt2": "wte"}
