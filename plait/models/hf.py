@@ -151,7 +151,9 @@ def hf_model_class(arch: str):
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of (B, heads, T, hd) q on (B, kv heads, T, hd) k, v: each key/value head
-    serves the consecutive group of query heads it is repeated for (grouped-query attention)."""
+    serves the consecutive group of query heads it is repeated for (grouped-query attention).
+    `scale` is 1/sqrt(hd) for both models: the configs plait builds use neither GPT-2's per-layer
+    scaling nor Llama's separate head_dim."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -190,7 +192,7 @@ class LlamaBlock(nn.Module):
         positions = torch.arange(T, device=q.device).unsqueeze(0)
         cos, sin = self._rotary[0](q, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        y = _sdpa(_rotate(q, cos, sin), _rotate(k, cos, sin), v, a.scaling)
+        y = _sdpa(_rotate(q, cos, sin), _rotate(k, cos, sin), v, a.head_dim**-0.5)
         return a.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -211,7 +213,7 @@ class GPT2Block(nn.Module):
         qkv = a.c_attn(h)
         B, T, _ = qkv.shape
         q, k, v = (t.view(B, T, -1, a.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
-        y = _sdpa(q, k, v, a.scaling)
+        y = _sdpa(q, k, v, a.head_dim**-0.5)
         return a.resid_dropout(a.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
