@@ -258,6 +258,9 @@ def test_export_loads_with_from_pretrained_and_gives_the_checkpoints_logits(
     with torch.no_grad():
         theirs = hf(_tokens()).logits
     torch.testing.assert_close(theirs, checkpoint_logits[arch], atol=1e-5, rtol=0)
+    assert export(runs[arch], out) == out  # an earlier export is replaced
+    with pytest.raises(ConfigError, match="exists and is not an earlier export"):
+        export(runs[arch], runs[arch])  # never over a directory of other files
 
 
 @pytest.mark.parametrize("arch", list(RUNS))
