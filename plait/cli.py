@@ -241,7 +241,11 @@ def _export(argv: list[str]) -> int:
         "the header holds the model config (plait.train.export.load_exported rebuilds the model).",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (config.toml, checkpoints/)")
-    parser.add_argument("--out", help="the file to write (default RUN_DIR/model.safetensors)")
+    parser.add_argument(
+        "--out",
+        help="the file to write (default RUN_DIR/model.safetensors); for an hf:* model the save_pretrained "
+        "directory (default RUN_DIR/hf)",
+    )
     parser.add_argument("--step", type=int, help="export this step's checkpoint (default: the latest)")
     parser.add_argument(
         "--dtype", default="fp32", help=f"{' or '.join(DTYPES)}: the tensors' dtype (default fp32)"
@@ -251,6 +255,12 @@ def _export(argv: list[str]) -> int:
     except SystemExit as exc:  # --help: printed, nothing else to do
         return int(exc.code or 0)
     out = export(args.run_dir, args.out, step=args.step, dtype=args.dtype)
+    if out.is_dir():  # a Hugging Face model: a save_pretrained directory
+        print(
+            f"plait: exported {args.run_dir} ({args.dtype}) to {out} (save_pretrained: config.json, "
+            "model.safetensors; transformers.AutoModelForCausalLM.from_pretrained loads it)"
+        )
+        return 0
     meta = exported_metadata(out)
     n = GPTConfig(**json.loads(meta[META_CONFIG])).n_params()
     step = meta["plait.step"]

@@ -35,8 +35,13 @@ def _f(default, doc: str, **kw):
 
 @dataclasses.dataclass
 class ModelConfig:
-    """The GPT to train: a named size, optionally with some dimensions overridden."""
+    """The model to train: plait's GPT of a named size, or a Hugging Face model; sizes overridable."""
 
+    source: str = _f(
+        "plait",
+        "'plait' (plait's GPT), 'hf:gpt2' or 'hf:llama' (transformers' model built from the size keys, "
+        "needs pip install plait[hf])",
+    )
     name: str = _f("small", "named size: tiny, small, 3m, 20m, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
     n_layer: int | None = _f(None, "transformer blocks (default: from the named size)")
     n_head: int | None = _f(None, "attention heads per block (default: from the named size)")
@@ -56,6 +61,8 @@ class ModelConfig:
     )
     aux_loss_coef: float = _f(0.01, "weight of the load-balancing loss, per MoE layer (Switch's alpha)")
     z_loss_coef: float = _f(0.001, "weight of the router z-loss, per MoE layer (ST-MoE)")
+    n_kv_head: int | None = _f(None, "hf:llama: key/value heads (grouped-query attention; default n_head)")
+    weights: str = _f("", "hf:*: a save_pretrained directory (safetensors) to load the weights from")
 
 
 @dataclasses.dataclass
@@ -432,7 +439,7 @@ _BOUNDS = {
     ),
     **dict.fromkeys(
         ("model.n_layer", "model.n_head", "model.d_model", "model.d_ff", "model.seq_len", "model.experts")
-        + ("model.vocab_size",)
+        + ("model.vocab_size", "model.n_kv_head")
         + ("model.moe_every", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep")
         + ("parallel.microbatches", "parallel.virtual_stages", "parallel.hybrid_shard")
         + ("train.global_batch", "train.micro_batches", "train.eval_batches", "comm.powersgd_rank")
@@ -467,6 +474,9 @@ def validate(cfg: Config, data: bool = True) -> None:
     ``data=False`` leaves out the one check that reads the corpus on this machine (that it holds a
     global batch); the planner validates layouts for clusters whose data is elsewhere."""
     _check_bounds(cfg)
+    from plait.models.source import validate_source
+
+    validate_source(cfg)  # the model's source first: an hf model refuses what it does not support
     t, p = cfg.train, cfg.parallel
     for name in ("dp", "tp", "pp", "ep"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
@@ -890,11 +900,16 @@ def _check_data_fits(cfg: Config, seq_len: int) -> None:
 
 
 def model_config(cfg: Config):
-    """The GPTConfig the run builds: the named size with the overrides applied (the vocabulary,
-    when not set, follows a tokenizer other than bytes)."""
+    """The model config the run builds: the named size with the overrides applied (the vocabulary,
+    when not set, follows a tokenizer other than bytes; for a Hugging Face source, its
+    `plait.models.hf.HFConfig`: the same size fields, read the same way)."""
     from plait.models import gpt_config
 
     m = cfg.model
+    if m.source.startswith("hf:"):
+        from plait.models.source import hf_model_config
+
+        return hf_model_config(cfg)
     overrides = {
         k: getattr(m, k)
         for k in ("n_layer", "n_head", "d_model", "d_ff", "seq_len", "vocab_size")

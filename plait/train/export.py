@@ -193,7 +193,7 @@ def export(
     the path written. See the module docstring for the format."""
     from safetensors.torch import save_file
 
-    from plait.models import GPT
+    from plait.models import GPT, GPTConfig
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -202,6 +202,8 @@ def export(
         raise ConfigError(f"--dtype {dtype!r} is unknown; valid: {', '.join(DTYPES)}")
     mcfg = run_model_config(run_dir)
     ckpt = find_checkpoint(run_dir, step)
+    if not isinstance(mcfg, GPTConfig):  # a Hugging Face model: a save_pretrained directory
+        return export_hf(run_dir, mcfg, ckpt, Path(out) if out is not None else run_dir / "hf", dtype)
     out = Path(out) if out is not None else run_dir / "model.safetensors"
     _check_out(out)
     manifest = verify_checkpoint(ckpt)
@@ -236,6 +238,42 @@ def export(
         tmp.unlink(missing_ok=True)
         raise ExportError(f"writing {out} failed ({exc}); nothing was written there") from None
     return out
+
+
+def export_hf(run_dir: Path, mcfg, ckpt: Path, out: Path, dtype: str) -> Path:
+    """An hf run's checkpoint as a ``save_pretrained`` directory `out` (config.json and
+    model.safetensors in transformers' names and layouts; `plait.models.hf_weights.save_hf`), which
+    ``transformers.AutoModelForCausalLM.from_pretrained(out)`` and ``model.weights = out`` load.
+    Written beside `out` under a temporary name and renamed; an existing `out` must be empty or an
+    earlier export (it is replaced)."""
+    import shutil
+
+    from plait.models.hf import HFCausalLM, hf_model_class
+    from plait.models.hf_weights import save_hf
+
+    if out.exists() and (not out.is_dir() or any(p.name not in _HF_FILES for p in out.iterdir())):
+        raise ConfigError(
+            f"--out {out} exists and is not an earlier export (a directory of {', '.join(_HF_FILES)}); "
+            "choose another path"
+        )
+    verify_checkpoint(ckpt)
+    with torch.device("meta"):  # names, shapes and ties only
+        model = HFCausalLM(hf_model_class(mcfg.arch)(mcfg.to_hf_config()), mcfg)
+    state = read_model_state(ckpt, model)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_hf(mcfg, {k: v.float() for k, v in state.items()}, tmp, DTYPES[dtype])
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"writing {out} failed ({exc}); nothing was written there") from None
+    return out
+
+
+_HF_FILES = ("config.json", "generation_config.json", "model.safetensors")
 
 
 def exported_metadata(path: str | Path) -> dict[str, str]:

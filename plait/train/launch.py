@@ -174,7 +174,10 @@ def _launch_here(cfg: Config, world: int, resume: bool) -> int:
     # Ranks are forked from one server process that imported torch and the trainer once,
     # instead of each rank importing them again (spawn): seconds per launch and restart. The
     # server is a fresh interpreter that never touched CUDA, so forking from it is safe on GPUs.
-    multiprocessing.set_forkserver_preload(["torch", "plait.train.loop"])
+    preload = ["torch", "plait.train.loop"]
+    if cfg.model.source.startswith("hf:"):  # seconds of import, paid once in the server
+        preload += ["transformers", "plait.models.hf"]
+    multiprocessing.set_forkserver_preload(preload)
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -32,6 +32,7 @@ from plait.engine import Engine, ErrorFeedback, RecordsTimeline
 from plait.errors import CheckpointError, ConfigError, DivergedError
 from plait.mesh import Mesh, init_distributed
 from plait.models import GPT, gpt_train_flops_per_token
+from plait.models.source import build_model
 from plait.tensor_parallel import without_sequence_parallel
 from plait.train.build import build_engine, describe_engine, micro_batches_per_step
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -321,7 +322,7 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
     # measured (if not cached) before seeding; it uses its own generator anyway
     peak = peak_flops or peak_flops_per_rank(device, t.bf16, torch.get_num_threads(), t.peak_tflops)
     torch.manual_seed(t.seed)  # identical initialisation on every rank (DataParallel broadcasts anyway)
-    raw = GPT(mcfg).to(device)
+    raw = build_model(cfg).to(device)  # plait's GPT or a Hugging Face model (plait.models.source)
     n_params = sum(q.numel() for q in raw.parameters())
     engine = build_engine(raw, cfg, mesh, run_dir)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -366,7 +367,11 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
         tokens_per_step=tokens_per_step,
         local_tokens=tokens_per_step // dp,  # dp: the data-parallel ranks (x ep)
         # model FLOPs: recomputation is overhead, not useful work, so MFU never counts it
-        flops_per_token=gpt_train_flops_per_token(mcfg, recompute=False),
+        flops_per_token=(
+            mcfg.train_flops_per_token()
+            if hasattr(mcfg, "train_flops_per_token")
+            else gpt_train_flops_per_token(mcfg, recompute=False)
+        ),
         peak_flops=peak,
         val_tokens_bytes=val_tokens_bytes,
         timeline_step=min(start + 3, last),  # the third step, after warm-up
@@ -407,13 +412,17 @@ def _restarting(run_dir: Path, mesh: Mesh, restart: int, limit: int) -> bool:
     return found is not None
 
 
+def _model_name(cfg: Config) -> str:
+    return "GPT" if cfg.model.source == "plait" else cfg.model.source
+
+
 def _announce(run: _Run) -> None:
     """The start-up lines: model, mesh, batch, steps, run directory, engine, notes."""
     cfg, mesh = run.cfg, run.mesh
     mcfg = run.raw.cfg
     _say(
         mesh,
-        f"plait: GPT {mcfg.n_layer}L {mcfg.n_head}H d={mcfg.d_model} seq={mcfg.seq_len} "
+        f"plait: {_model_name(cfg)} {mcfg.n_layer}L {mcfg.n_head}H d={mcfg.d_model} seq={mcfg.seq_len} "
         f"({run.n_params / 1e6:.2f}M params) | mesh {mesh.shape_str()} on {mesh.device} | "
         f"global batch {cfg.train.global_batch} x {mcfg.seq_len} tokens | "
         f"steps {run.start + 1}..{run.last} | run dir {run.run_dir}",

@@ -1,0 +1,146 @@
+"""Where the model of a run comes from: `[model] source` -> `build_model(cfg)`.
+
+* ``"plait"``: plait's GPT (`plait.models.gpt`) of ``model.name`` with the size overrides;
+* ``"hf:gpt2"``, ``"hf:llama"``: transformers' GPT2LMHeadModel / LlamaForCausalLM built from its
+  config class with plait's size keys (no download), optionally loaded from ``model.weights``,
+  wrapped in `plait.models.hf.HFCausalLM`;
+* ``"python:PKG.MODULE:FUNC"``: a user's factory (not built yet).
+
+`validate_source` is called by `plait.train.config.validate`, in the launching process: it refuses
+an unknown source, a missing transformers, keys that do not apply to hf models, heads (and key/value
+heads) that do not divide tp, and a weights directory that is missing or does not fit the model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from plait.errors import ConfigError
+
+HF_SOURCES = ("hf:gpt2", "hf:llama")
+SOURCES = ("plait", *HF_SOURCES, "python:PKG.MODULE:FUNC")
+
+
+def is_hf(cfg) -> bool:
+    return cfg.model.source in HF_SOURCES
+
+
+def hf_model_config(cfg):
+    """The `HFConfig` of an hf source: the named size's dimensions with the overrides applied."""
+    from plait.models.gpt import gpt_config
+    from plait.models.hf import HFConfig
+
+    m = cfg.model
+    base = gpt_config(m.name)
+    sizes = {
+        k: getattr(m, k) if getattr(m, k) is not None else getattr(base, k)
+        for k in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size")
+    }
+    if m.vocab_size is None and cfg.data.tokenizer != "bytes":  # the vocabulary follows the tokenizer
+        from plait.train.config import tokenizer_vocab_size
+
+        sizes["vocab_size"] = tokenizer_vocab_size(cfg.data)
+    return HFConfig(
+        arch=m.source.removeprefix("hf:"),
+        d_ff=m.d_ff,
+        n_kv_head=m.n_kv_head,
+        tie_weights=m.tie_weights,
+        weights=m.weights,
+        **sizes,
+    )
+
+
+def build_model(cfg):
+    """The run's model, initialised under the current torch seed (every rank builds the same)."""
+    source = cfg.model.source
+    if source == "plait":
+        from plait.models.gpt import GPT
+        from plait.train.config import model_config
+
+        return GPT(model_config(cfg))
+    if source in HF_SOURCES:
+        from plait.models.hf import build_hf
+
+        return build_hf(hf_model_config(cfg))
+    if source.startswith("python:"):
+        raise ConfigError(f"model.source = {source!r}: python factories are not built yet")
+    raise ConfigError(f"model.source = {source!r} is unknown; valid: {', '.join(SOURCES)}")
+
+
+def validate_source(cfg) -> None:
+    """The checks of `[model] source` and the hf keys (module docstring); the rest of the model's
+    keys are `validate`'s."""
+    m, p = cfg.model, cfg.parallel
+    if m.source.startswith("python:"):
+        raise ConfigError(
+            f"model.source = {m.source!r}: python factories are not built yet; valid now: "
+            f"{', '.join(SOURCES[:-1])}"
+        )
+    if m.source != "plait" and m.source not in HF_SOURCES:
+        raise ConfigError(f"model.source = {m.source!r} is unknown; valid: {', '.join(SOURCES)}")
+    if m.source == "plait":
+        for key, value in (("n_kv_head", m.n_kv_head), ("weights", m.weights)):
+            if value not in (None, ""):
+                raise ConfigError(
+                    f"model.{key} = {value!r} applies to hf sources only; set model.source = 'hf:llama' "
+                    f"{'or hf:gpt2 ' if key == 'weights' else ''}or remove model.{key}"
+                )
+        return
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(
+            f"model.source = {m.source!r} needs the transformers package: pip install plait[hf]"
+        )
+    refused = {  # key: (value, the value hf models take)
+        "model.experts": (m.experts, 0),
+        "model.dropout": (m.dropout, 0.0),
+        "parallel.ep": (p.ep, 1),
+        "ps.servers": (cfg.ps.servers, 0),
+    }
+    for key, (value, default) in refused.items():
+        if value != default:
+            raise ConfigError(
+                f"{key} = {value!r} does not apply to model.source = {m.source!r} (hf models are dense, "
+                f"trained without dropout, outside the parameter server); set {key} = {default!r}"
+            )
+    c = hf_model_config(cfg)
+    if c.arch == "gpt2" and m.n_kv_head not in (None, c.n_head):
+        raise ConfigError(
+            f"model.n_kv_head = {m.n_kv_head} does not apply to hf:gpt2 (no grouped-query attention); "
+            "remove it or use model.source = 'hf:llama'"
+        )
+    if c.n_head < 1 or c.d_model % c.n_head:
+        raise ConfigError(f"model.d_model = {c.d_model} is not divisible by model.n_head = {c.n_head}")
+    if c.kv_heads < 1 or c.n_head % c.kv_heads:
+        divisors = [k for k in range(1, c.n_head + 1) if c.n_head % k == 0]
+        raise ConfigError(
+            f"model.n_kv_head = {c.kv_heads} does not divide model.n_head = {c.n_head}; valid: {divisors}"
+        )
+    if c.arch == "llama" and c.head_dim % 2:
+        raise ConfigError(f"hf:llama: the head size d_model / n_head = {c.head_dim} must be even (rotary)")
+    if c.n_head % p.tp:
+        raise ConfigError(
+            f"model.n_head = {c.n_head} is not divisible by parallel.tp = {p.tp}: each tensor-parallel rank "
+            "holds whole heads; choose n_head a multiple of tp"
+        )
+    if c.kv_heads % p.tp:
+        raise ConfigError(
+            f"model.n_kv_head = {c.kv_heads} is not divisible by parallel.tp = {p.tp}: each tensor-parallel "
+            "rank holds whole key/value heads; choose n_kv_head a multiple of tp"
+        )
+    if c.weights:
+        from plait.models.hf_weights import weights_file
+
+        weights_file(c.weights)  # the directory and its file exist; shapes are checked below
+        _check_weight_shapes(c)
+
+
+def _check_weight_shapes(c) -> None:
+    """The weights file's names and shapes against the configured model, built on the meta device."""
+    import torch
+
+    from plait.models.hf import hf_model_class
+    from plait.models.hf_weights import check_weights
+
+    with torch.device("meta"):
+        hf = hf_model_class(c.arch)(c.to_hf_config())
+    check_weights(hf, c.weights)
