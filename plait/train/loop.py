@@ -205,7 +205,7 @@ class _Run:
     corpus: object
     sampler: DistributedBatchSampler
     val: list
-    raw: GPT
+    raw: torch.nn.Module  # plait's GPT, or a python: source's model
     engine: Engine
     scheduler: torch.optim.lr_scheduler.LRScheduler
     metrics: MetricsWriter
@@ -321,7 +321,12 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
     # measured (if not cached) before seeding; it uses its own generator anyway
     peak = peak_flops or peak_flops_per_rank(device, t.bf16, torch.get_num_threads(), t.peak_tflops)
     torch.manual_seed(t.seed)  # identical initialisation on every rank (DataParallel broadcasts anyway)
-    raw = GPT(mcfg).to(device)
+    if cfg.model.source.startswith("python:"):  # the user's factory (plait.models.python_source)
+        from plait.models.python_source import build_python_model, model_args
+
+        raw = build_python_model(cfg.model.source, model_args(cfg)).to(device)
+    else:
+        raw = GPT(mcfg).to(device)
     n_params = sum(q.numel() for q in raw.parameters())
     engine = build_engine(raw, cfg, mesh, run_dir)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -361,10 +366,19 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
         tokens_per_step=tokens_per_step,
         local_tokens=tokens_per_step // dp,  # dp: the data-parallel ranks (x ep)
         # model FLOPs: recomputation is overhead, not useful work, so MFU never counts it
-        flops_per_token=gpt_train_flops_per_token(mcfg, recompute=False),
+        flops_per_token=_flops_per_token(raw, mcfg),
         peak_flops=peak,
         timeline_step=min(start + 3, last),  # the third step, after warm-up
     )
+
+
+def _flops_per_token(raw: torch.nn.Module, mcfg) -> float:
+    """Model FLOPs per trained token: plait's GPT's exact count, a python: model's 6 x parameters."""
+    if isinstance(raw, GPT):
+        return gpt_train_flops_per_token(mcfg, recompute=False)
+    from plait.models.python_source import train_flops_per_token
+
+    return train_flops_per_token(raw)
 
 
 def _restarting(run_dir: Path, mesh: Mesh, restart: int, limit: int) -> bool:
@@ -385,10 +399,13 @@ def _restarting(run_dir: Path, mesh: Mesh, restart: int, limit: int) -> bool:
 def _announce(run: _Run) -> None:
     """The start-up lines: model, mesh, batch, steps, run directory, engine, notes."""
     cfg, mesh = run.cfg, run.mesh
-    mcfg = run.raw.cfg
+    mcfg = model_config(cfg)
+    what = f"GPT {mcfg.n_layer}L {mcfg.n_head}H d={mcfg.d_model}"
+    if cfg.model.source != "plait":
+        what = f"{cfg.model.source} ({type(getattr(run.raw, 'net', run.raw)).__name__})"
     _say(
         mesh,
-        f"plait: GPT {mcfg.n_layer}L {mcfg.n_head}H d={mcfg.d_model} seq={mcfg.seq_len} "
+        f"plait: {what} seq={mcfg.seq_len} "
         f"({run.n_params / 1e6:.2f}M params) | mesh {mesh.shape_str()} on {mesh.device} | "
         f"global batch {cfg.train.global_batch} x {mcfg.seq_len} tokens | "
         f"steps {run.start + 1}..{run.last} | run dir {run.run_dir}",
@@ -665,6 +682,8 @@ def _finish(run: _Run, loss: float, val_loss: float | None) -> dict:
     sample = None
     if cfg.train.sample_tokens and step == cfg.train.steps and cfg.parallel.pp > 1:
         _say(mesh, "plait: no text sample under pipeline parallelism (each rank holds part of the model)")
+    elif cfg.train.sample_tokens and step == cfg.train.steps and not callable(getattr(raw, "generate", None)):
+        _say(mesh, f"plait: no text sample: the model ({type(raw).__name__}) has no generate method")
     elif cfg.train.sample_tokens and step == cfg.train.steps:
         # every rank generates: under ZeRO-3 each forward gathers parameters from all of them
         prompt = corpus.encode("The ").unsqueeze(0).to(mesh.device)
