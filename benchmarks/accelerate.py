@@ -64,7 +64,7 @@ LLAMA = dict(
     tie_word_embeddings=False,
 )
 SIDES = {
-    "accelerate": "Accelerate FSDP (FULL_SHARD, per decoder layer)",
+    "accelerate": "Accelerate FSDP2 (full shard, per decoder layer)",
     "plait": "plait ZeRO-3 (parallelize)",
 }
 
@@ -202,6 +202,23 @@ def markdown(results: dict, info: dict, args, n_params: int, status: str, png: s
         "",
         "Launch: `torchrun --nproc-per-node 2 loop.py` (or `accelerate launch`) for Accelerate, "
         "`plait launch --nproc 2 loop.py` (or torchrun) for plait.",
+        "",
+        "## Notes",
+        "",
+        "- Accelerate on the CPU: `Accelerator(cpu=True, fsdp_plugin=...)` ignores the plugin and "
+        "trains with DDP (its FSDP switch is only in the branch for accelerator devices), so the loop sets "
+        "`accelerator.state.distributed_type = DistributedType.FSDP` by hand; the 'what ran' column "
+        "checks that the prepared model is sharded by `fully_shard` (Accelerate's units: each decoder "
+        "layer, the embeddings, the final norm, the head and the root; plait's: each decoder layer and "
+        "the rest as one unit). FSDP version 1 (Accelerate's default) then refuses the CPU inside torch "
+        "(`Inconsistent compute device and device_id: cpu vs cpu:0`), so Accelerate runs with "
+        "`fsdp_version=2` (torch's `fully_shard`, `reshard_after_forward=True`: full sharding, ZeRO-3).",
+        "- The times include the forward, backward and optimizer step of each rank's rows and the "
+        "global mean loss (one scalar all-reduce on both sides). Each step is timed from a barrier, and "
+        "the slowest rank's time counts.",
+        "- One run on a shared machine, the two sides one after the other (Accelerate first): the load "
+        "average above is other work on the same cores, which moves both sides' figures; read the "
+        "ratio with it. Why plait is faster here was not profiled.",
         "",
     ]
     return "\n".join(out)

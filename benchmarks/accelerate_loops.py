@@ -67,12 +67,13 @@ def run_accelerate(model, batches, lr, timer):
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-        timer.loss(accelerator.reduce(loss.detach(), "mean").item())
+            loss = accelerator.reduce(loss.detach(), "mean").item()  # the global batch's mean loss
+        timer.loss(loss)
     # --- end ---
     from torch.distributed.fsdp import FSDPModule  # that FSDP really ran, and over what units
 
-    units = sum(isinstance(m, FSDPModule) for m in model.modules())
-    timer.what = f"{type(model).__name__}, {units} fully_shard units"
+    units = [name or "(root)" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    timer.what = f"{type(model).__name__}; fully_shard units: {', '.join(units)}"
     return rank, accelerator.end_training
 
 
@@ -90,11 +91,13 @@ def run_plait(model, batches, lr, timer):
     for batch in batches:  # the global batch; this rank's rows
         batch = engine.shard(batch)
         with timer():
-            loss = engine.forward_backward(batch)
+            loss = engine.forward_backward(batch)  # the global batch's mean loss
             engine.step()
         timer.loss(loss)
     # --- end ---
-    timer.what = f"{type(engine.engine).__name__}, zero_stage 3, {len(model.model.layers)} units + the rest"
+    timer.what = (
+        f"{type(engine.engine).__name__}; units: model.layers.0-{len(model.model.layers) - 1}, the rest"
+    )
     return engine.rank, engine.close
 
 
