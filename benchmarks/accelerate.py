@@ -218,7 +218,7 @@ def markdown(results: dict, info: dict, args, n_params: int, status: str, png: s
         "the slowest rank's time counts.",
         "- One run on a shared machine, the two sides one after the other (Accelerate first): the load "
         "average above is other work on the same cores, which moves both sides' figures; read the "
-        "ratio with it. Why plait is faster here was not profiled.",
+        "ratio with it. Neither side was profiled.",
         "",
     ]
     return "\n".join(out)
