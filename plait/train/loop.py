@@ -328,6 +328,7 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
     else:
         raw = GPT(mcfg).to(device)
     n_params = sum(q.numel() for q in raw.parameters())
+    flops_per_token = _flops_per_token(raw)  # of the whole model: before wrapping shards it
     engine = build_engine(raw, cfg, mesh, run_dir)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         engine.optimizer, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr / t.lr)
@@ -366,16 +367,17 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
         tokens_per_step=tokens_per_step,
         local_tokens=tokens_per_step // dp,  # dp: the data-parallel ranks (x ep)
         # model FLOPs: recomputation is overhead, not useful work, so MFU never counts it
-        flops_per_token=_flops_per_token(raw, mcfg),
+        flops_per_token=flops_per_token,
         peak_flops=peak,
         timeline_step=min(start + 3, last),  # the third step, after warm-up
     )
 
 
-def _flops_per_token(raw: torch.nn.Module, mcfg) -> float:
-    """Model FLOPs per trained token: plait's GPT's exact count, a python: model's 6 x parameters."""
+def _flops_per_token(raw: torch.nn.Module) -> float:
+    """Model FLOPs per trained token: a GPT's exact count (of its own config: a python: factory
+    may return one), any other model's 6 x parameters."""
     if isinstance(raw, GPT):
-        return gpt_train_flops_per_token(mcfg, recompute=False)
+        return gpt_train_flops_per_token(raw.cfg, recompute=False)
     from plait.models.python_source import train_flops_per_token
 
     return train_flops_per_token(raw)
