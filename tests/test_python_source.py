@@ -7,6 +7,7 @@ The factories live in a module written into a temporary directory and found thro
 import os
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,6 +63,11 @@ SOURCE = textwrap.dedent(
     def make_net(args):
         net = ByteNet(args.vocab_size, args.d_model, args.d_ff, args.n_layer)
         return net, {"blocks": list(net.blocks), "tp_plan": PLAN}
+
+
+    def make_net_whole(args):  # layout rules that keep the MLP's hidden dim whole: nothing splits
+        net, extras = make_net(args)
+        return net, {**extras, "layout_rules": {"hidden": None}}
 
 
     def make_plain(args):
@@ -197,6 +203,42 @@ def test_adapter_gives_the_contract(factories):
 
     assert _flops_per_token(model) == 6 * sum(p.numel() for p in model.parameters())
     assert _flops_per_token(gpt) == gpt_train_flops_per_token(gpt.cfg)
+
+
+def _layers_under_tp2(path):
+    """On each of 2 ranks: the class of the first block's up projection after plait train's
+    engine building, with the factory's default layout rules and with {"hidden": None}."""
+    sys.path.insert(0, path)
+    from plait.mesh import Mesh
+    from plait.train.build import build_engine
+
+    mesh = Mesh(tp=2, timeout_s=120)
+    out = {}
+    for func in ("make_net", "make_net_whole"):
+        args = [
+            *SMALL,
+            "--model.source",
+            f"python:{MODULE}:{func}",
+            "--parallel.dp",
+            "1",
+            "--parallel.tp",
+            "2",
+        ]
+        cfg = load_config(None, parse_overrides(args))
+        torch.manual_seed(0)
+        raw = build_python_model(cfg.model.source, model_args(cfg))
+        engine = build_engine(raw, cfg, mesh, Path(path))
+        out[func] = type(raw.net.blocks[0].up).__name__
+        engine.close()
+    mesh.close()
+    return out
+
+
+def test_layout_rules_of_a_factory_reach_tensor_parallelism(factories):
+    from plait.testing import run_ranks
+
+    for got in run_ranks(_layers_under_tp2, 2, args=(str(factories),)):
+        assert got == {"make_net": "ColumnParallelLinear", "make_net_whole": "Linear"}, got
 
 
 BAD = {
