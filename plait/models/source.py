@@ -4,7 +4,7 @@
 * ``"hf:gpt2"``, ``"hf:llama"``: transformers' GPT2LMHeadModel / LlamaForCausalLM built from its
   config class with plait's size keys (no download), optionally loaded from ``model.weights``,
   wrapped in `plait.models.hf.HFCausalLM`;
-* ``"python:PKG.MODULE:FUNC"``: a user's factory (not built yet).
+* ``"python:PKG.MODULE:FUNC"``: a user's factory (`plait.models.python_source`).
 
 `validate_source` is called by `plait.train.config.validate`, in the launching process: it refuses
 an unknown source, a missing transformers, keys that do not apply to hf models, heads (and key/value
@@ -63,7 +63,9 @@ def build_model(cfg):
 
         return build_hf(hf_model_config(cfg))
     if source.startswith("python:"):
-        raise ConfigError(f"model.source = {source!r}: python factories are not built yet")
+        from plait.models.python_source import build_python_model, model_args
+
+        return build_python_model(source, model_args(cfg))
     raise ConfigError(f"model.source = {source!r} is unknown; valid: {', '.join(SOURCES)}")
 
 
@@ -72,10 +74,13 @@ def validate_source(cfg) -> None:
     keys are `validate`'s."""
     m, p = cfg.model, cfg.parallel
     if m.source.startswith("python:"):
-        raise ConfigError(
-            f"model.source = {m.source!r}: python factories are not built yet; valid now: "
-            f"{', '.join(SOURCES[:-1])}"
-        )
+        for key, value in (("n_kv_head", m.n_kv_head), ("weights", m.weights)):
+            if value not in (None, ""):
+                raise ConfigError(
+                    f"model.{key} = {value!r} applies to hf sources only; a python: factory builds its "
+                    f"own model: remove model.{key}"
+                )
+        return  # the factory itself: plait.models.python_source.check_source, last in validate
     if m.source != "plait" and m.source not in HF_SOURCES:
         raise ConfigError(f"model.source = {m.source!r} is unknown; valid: {', '.join(SOURCES)}")
     if m.source == "plait":

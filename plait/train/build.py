@@ -36,7 +36,13 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
 
         apply_ep(raw, mesh)
     if p.tp > 1:
-        apply_tp(raw, mesh, sequence_parallel=p.sequence_parallel, seed=t.seed + 1000 * (1 + mesh.rank("dp")))
+        apply_tp(
+            raw,
+            mesh,
+            sequence_parallel=p.sequence_parallel,
+            seed=t.seed + 1000 * (1 + mesh.rank("dp")),
+            rules=getattr(raw, "layout_rules", None),  # a python: source's; plait's GPT: every dim split
+        )
     if t.activation_checkpointing and p.pp == 1:  # a pipeline recomputes per stage
         apply_activation_checkpointing(raw)
     shard_axis = "dp_shard" if p.hybrid_shard else "dp"

@@ -39,8 +39,9 @@ class ModelConfig:
 
     source: str = _f(
         "plait",
-        "'plait' (plait's GPT), 'hf:gpt2' or 'hf:llama' (transformers' model built from the size keys, "
-        "needs pip install plait[hf])",
+        "what builds the model: 'plait' (its GPT), 'hf:gpt2' or 'hf:llama' (transformers' model built from "
+        "the size keys, needs pip install plait[hf]) or 'python:PKG.MODULE:FUNC' (your function, called "
+        "with the resolved [model] sizes; docs/your-model.md)",
     )
     name: str = _f("small", "named size: tiny, small, 3m, 20m, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
     n_layer: int | None = _f(None, "transformer blocks (default: from the named size)")
@@ -480,8 +481,10 @@ def validate(cfg: Config, data: bool = True) -> None:
     t, p = cfg.train, cfg.parallel
     for name in ("dp", "tp", "pp", "ep"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-    _validate_ps(cfg)
-    _validate_moe(cfg)
+    python = cfg.model.source.startswith("python:")  # validate_source checked the spec's form
+    if not python:  # a python: source refuses these features of plait's GPT itself
+        _validate_ps(cfg)
+        _validate_moe(cfg)
     _require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
     for name in ("steps", "global_batch", "micro_batches", "log_every", "eval_batches", "keep_checkpoints"):
         _require(getattr(t, name) >= 1, f"train.{name} must be >= 1, got {getattr(t, name)}")
@@ -554,8 +557,13 @@ def validate(cfg: Config, data: bool = True) -> None:
         )
     if data:
         _check_data_fits(cfg, m.seq_len)
-    _require(m.n_head % p.tp == 0, f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}")
-    _require(m.ff_dim % p.tp == 0, f"model.d_ff = {m.ff_dim} is not divisible by parallel.tp = {p.tp}")
+    # plait's GPT's own splits; a python: source's plan splits its own layers (apply_tp checks them)
+    _require(
+        python or m.n_head % p.tp == 0, f"model.n_head = {m.n_head} is not divisible by parallel.tp = {p.tp}"
+    )
+    _require(
+        python or m.ff_dim % p.tp == 0, f"model.d_ff = {m.ff_dim} is not divisible by parallel.tp = {p.tp}"
+    )
     _require(
         not p.sequence_parallel or m.seq_len % p.tp == 0,
         f"model.seq_len = {m.seq_len} is not divisible by parallel.tp = {p.tp} (parallel.sequence_parallel)",
@@ -581,7 +589,11 @@ def validate(cfg: Config, data: bool = True) -> None:
         "yet: its momentum exchange is built over dp alone (data parallel and ZeRO-1/2), not over "
         "tensor-parallel placements or a pipeline's stages; use comm.target = 'gradient'",
     )
-    _validate_pipeline(cfg, m.n_layer)
+    _validate_pipeline(cfg, None if python else m.n_layer)
+    if python:  # last: the factory is imported and called once the cheap checks passed
+        from plait.models.python_source import check_source
+
+        check_source(cfg)
 
 
 PS_CONSISTENCY = ("bsp", "ssp", "async")
@@ -663,7 +675,7 @@ def _validate_momentum_target(cfg: Config) -> None:
     )
 
 
-def _validate_pipeline(cfg: Config, n_layer: int) -> None:
+def _validate_pipeline(cfg: Config, n_layer: int | None) -> None:
     """Pipeline settings (plait.pipeline): checked here, before any process starts."""
     from plait.pipeline.schedules import SCHEDULES
 
@@ -687,7 +699,7 @@ def _validate_pipeline(cfg: Config, n_layer: int) -> None:
     if problem:
         raise ConfigError(f"[parallel] pp = {p.pp}, schedule = {p.schedule!r}, microbatches = {m}: {problem}")
     n = p.pp * v
-    if n_layer % n:
+    if n_layer is not None and n_layer % n:  # None: a python: model, cut by its own split
         valid = [k for k in range(1, n_layer + 1) if n_layer % k == 0]
         raise ConfigError(
             f"model.n_layer = {n_layer} is not divisible into parallel.pp x virtual_stages = {p.pp} x {v} = "

@@ -207,7 +207,7 @@ class _Run:
     corpus: object
     sampler: DistributedBatchSampler
     val: list
-    raw: GPT
+    raw: torch.nn.Module  # plait's GPT, or a python: source's model
     engine: Engine
     scheduler: torch.optim.lr_scheduler.LRScheduler
     metrics: MetricsWriter
@@ -322,8 +322,9 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
     # measured (if not cached) before seeding; it uses its own generator anyway
     peak = peak_flops or peak_flops_per_rank(device, t.bf16, torch.get_num_threads(), t.peak_tflops)
     torch.manual_seed(t.seed)  # identical initialisation on every rank (DataParallel broadcasts anyway)
-    raw = build_model(cfg).to(device)  # plait's GPT or a Hugging Face model (plait.models.source)
+    raw = build_model(cfg).to(device)  # plait's GPT, a Hugging Face model or a python: factory's
     n_params = sum(q.numel() for q in raw.parameters())
+    flops_per_token = _flops_per_token(raw)  # of the whole model: before wrapping shards it
     engine = build_engine(raw, cfg, mesh, run_dir)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         engine.optimizer, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr / t.lr)
@@ -367,11 +368,7 @@ def _setup(cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, rest
         tokens_per_step=tokens_per_step,
         local_tokens=tokens_per_step // dp,  # dp: the data-parallel ranks (x ep)
         # model FLOPs: recomputation is overhead, not useful work, so MFU never counts it
-        flops_per_token=(
-            mcfg.train_flops_per_token()
-            if hasattr(mcfg, "train_flops_per_token")
-            else gpt_train_flops_per_token(mcfg, recompute=False)
-        ),
+        flops_per_token=flops_per_token,
         peak_flops=peak,
         val_tokens_bytes=val_tokens_bytes,
         timeline_step=min(start + 3, last),  # the third step, after warm-up
@@ -397,6 +394,19 @@ def _load_data(cfg: Config, mesh: Mesh, run_dir: Path, resume: bool):
     return corpus if corpus is not None else load("bytes" if spec == "bytes" else str(saved))
 
 
+def _flops_per_token(raw: torch.nn.Module) -> float:
+    """Model FLOPs per trained token: a GPT's exact count (of its own config: a python: factory
+    may return one), an hf model's from its config, any other model's 6 x parameters."""
+    if isinstance(raw, GPT):
+        return gpt_train_flops_per_token(raw.cfg, recompute=False)
+    cfg = getattr(raw, "cfg", None)
+    if hasattr(cfg, "train_flops_per_token"):  # plait.models.hf.HFCausalLM's HFConfig
+        return cfg.train_flops_per_token()
+    from plait.models.python_source import train_flops_per_token
+
+    return train_flops_per_token(raw)
+
+
 def _restarting(run_dir: Path, mesh: Mesh, restart: int, limit: int) -> bool:
     """The launcher restarted the job after a rank failed: resume from the newest checkpoint
     (True), or start over when none was saved yet (False). A run that diverged stays stopped."""
@@ -419,10 +429,13 @@ def _model_name(cfg: Config) -> str:
 def _announce(run: _Run) -> None:
     """The start-up lines: model, mesh, batch, steps, run directory, engine, notes."""
     cfg, mesh = run.cfg, run.mesh
-    mcfg = run.raw.cfg
+    mcfg = model_config(cfg)
+    what = f"{_model_name(cfg)} {mcfg.n_layer}L {mcfg.n_head}H d={mcfg.d_model}"
+    if cfg.model.source.startswith("python:"):
+        what = f"{cfg.model.source} ({type(getattr(run.raw, 'net', run.raw)).__name__})"
     _say(
         mesh,
-        f"plait: {_model_name(cfg)} {mcfg.n_layer}L {mcfg.n_head}H d={mcfg.d_model} seq={mcfg.seq_len} "
+        f"plait: {what} seq={mcfg.seq_len} "
         f"({run.n_params / 1e6:.2f}M params) | mesh {mesh.shape_str()} on {mesh.device} | "
         f"global batch {cfg.train.global_batch} x {mcfg.seq_len} tokens | "
         f"steps {run.start + 1}..{run.last} | run dir {run.run_dir}",
@@ -700,6 +713,8 @@ def _finish(run: _Run, loss: float, val_loss: float | None) -> dict:
     sample = None
     if cfg.train.sample_tokens and step == cfg.train.steps and cfg.parallel.pp > 1:
         _say(mesh, "plait: no text sample under pipeline parallelism (each rank holds part of the model)")
+    elif cfg.train.sample_tokens and step == cfg.train.steps and not callable(getattr(raw, "generate", None)):
+        _say(mesh, f"plait: no text sample: the model ({type(raw).__name__}) has no generate method")
     elif cfg.train.sample_tokens and step == cfg.train.steps:
         # every rank generates: under ZeRO-3 each forward gathers parameters from all of them
         prompt = corpus.encode("The ").unsqueeze(0).to(mesh.device)
