@@ -179,6 +179,24 @@ def test_python_factory_trains_in_parallel_as_in_one_process(factories, tmp_path
         want = F.cross_entropy(net(x).reshape(-1, args.vocab_size), y.reshape(-1)).item()
     assert abs(one[1] - want) <= 1e-5 * want, (one[1], want)
 
+    # plait export of a python: run: the factory's module's own state dict (its own names), which
+    # the user's module loads and which gives the run's final held-out loss
+    import json
+
+    from safetensors.torch import load_file
+
+    from plait.data import eval_batches
+    from plait.train.export import export
+
+    out = export(dirs["one"])
+    net.load_state_dict(load_file(str(out)), strict=True)
+    batches = eval_batches(corpus.val, args.seq_len, cfg.train.global_batch, cfg.train.eval_batches)
+    with torch.no_grad():
+        val = sum(
+            F.cross_entropy(net(x).reshape(-1, args.vocab_size), y.reshape(-1)).item() for x, y in batches
+        ) / len(batches)
+    assert val == pytest.approx(json.loads((dirs["one"] / "summary.json").read_text())["val_loss"], rel=1e-5)
+
 
 def test_adapter_gives_the_contract(factories):
     """The adapted module: mean and summed loss, logits, blocks, the plan under its `net.` prefix."""

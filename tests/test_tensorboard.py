@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 from conftest import TINY, plait_train
 
 pytest.importorskip("tensorboard")
@@ -116,3 +117,16 @@ def test_bpe_run_with_tensorboard_at_dp2_then_resumed(tmp_path):
     assert summary["tokenizer"] == str(saved)
     assert summary["val_bits_per_byte"] == pytest.approx(records[-1]["val_bits_per_byte"], rel=1e-12)
     assert isinstance(summary["sample"], str) and summary["sample"].startswith("The ")
+
+    # plait export: the vocabulary follows the run's tokenizer (model.vocab_size was never set),
+    # the tokenizer goes beside the file, and the exported model gives the run's held-out loss
+    from plait.train.export import export, load_exported
+
+    (tmp_path / "export").mkdir()
+    out = export(run, tmp_path / "export" / "model.safetensors")
+    assert (out.parent / "tokenizer.json").read_text() == saved.read_text()
+    model, cfg = load_exported(out)
+    assert cfg.vocab_size == 512
+    with torch.no_grad():
+        val = sum(model(x, y, "sum").item() for x, y in batches) / tokens
+    assert val == pytest.approx(summary["val_loss"], rel=1e-5)

@@ -41,11 +41,19 @@ META_TIED = "plait.tied"
 
 
 def run_model_config(run_dir: str | Path):
-    """The GPTConfig of the run in `run_dir`, from the [model] section of its config.toml.
+    """The GPTConfig (an hf run's HFConfig) of the run in `run_dir`, from the [model] section of its
+    config.toml and its tokenizer, which an unset vocabulary size follows.
 
-    Only that section is read: the rest of the run's config (its corpus file, offload path,
+    Only those keys are read: the rest of the run's config (its corpus file, offload path,
     devices) need not exist where the export runs."""
-    from plait.train.config import Config, model_config, set_key
+    from plait.train.config import model_config
+
+    return model_config(_run_model_keys(run_dir))
+
+
+def _run_model_keys(run_dir: str | Path):
+    """A default Config with the run's [model] keys and tokenizer keys set."""
+    from plait.train.config import Config, set_key
 
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
@@ -60,7 +68,30 @@ def run_model_config(run_dir: str | Path):
     cfg = Config()
     for key, value in model.items():
         set_key(cfg, "model", key, value, from_cli=False)
-    return model_config(cfg)
+    _set_tokenizer(cfg, data.get("data", {}), Path(run_dir))
+    return cfg
+
+
+def _set_tokenizer(cfg, data: dict, run_dir: Path) -> None:
+    """The run's tokenizer keys, which an unset model.vocab_size follows: a tokenizer file is the
+    copy in the run directory (the path the run named need not exist where the export runs)."""
+    from plait.train.config import set_key
+
+    if not isinstance(data, dict):
+        return
+    for key in ("tokenizer", "vocab_size"):
+        if key in data:
+            set_key(cfg, "data", key, data[key], from_cli=False)
+    if cfg.data.tokenizer not in ("bytes", "bpe"):
+        cfg.data.tokenizer = str(run_dir / "tokenizer.json")
+
+
+def _copy_tokenizer(run_dir: Path, out_dir: Path) -> None:
+    """The run's tokenizer.json (a BPE or a tokenizer file the run used) beside the export."""
+    import shutil
+
+    if (run_dir / "tokenizer.json").is_file():
+        shutil.copyfile(run_dir / "tokenizer.json", out_dir / "tokenizer.json")
 
 
 def completed_steps(root: Path) -> list[int]:
@@ -202,6 +233,9 @@ def export(
         raise ConfigError(f"--dtype {dtype!r} is unknown; valid: {', '.join(DTYPES)}")
     mcfg = run_model_config(run_dir)
     ckpt = find_checkpoint(run_dir, step)
+    source = _run_source(run_dir)
+    if source.startswith("python:"):  # the user's module: its own state dict, by its own names
+        return export_python(run_dir, source, ckpt, Path(out) if out is not None else None, dtype)
     if not isinstance(mcfg, GPTConfig):  # a Hugging Face model: a save_pretrained directory
         return export_hf(run_dir, mcfg, ckpt, Path(out) if out is not None else run_dir / "hf", dtype)
     out = Path(out) if out is not None else run_dir / "model.safetensors"
@@ -234,6 +268,53 @@ def export(
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, out)
+        _copy_tokenizer(run_dir, out.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ExportError(f"writing {out} failed ({exc}); nothing was written there") from None
+    return out
+
+
+def _run_source(run_dir: Path) -> str:
+    model = tomllib.loads((run_dir / "config.toml").read_text()).get("model", {})
+    return str(model.get("source", "plait")) if isinstance(model, dict) else "plait"
+
+
+def export_python(run_dir: Path, source: str, ckpt: Path, out: Path | None, dtype: str) -> Path:
+    """A python: run's checkpoint as one safetensors file of the factory's module's own state dict
+    (`module.load_state_dict(safetensors.torch.load_file(out))` loads it): the factory is imported
+    (from the current directory or PYTHONPATH, as in training) to learn names and shapes on the meta
+    device; a tokenizer.json of the run is copied beside the file."""
+    from safetensors.torch import save_file
+
+    from plait.models.python_source import PythonModel, build_python_model, model_args
+
+    out = out if out is not None else run_dir / "model.safetensors"
+    _check_out(out)
+    manifest = verify_checkpoint(ckpt)
+    cfg = _run_model_keys(run_dir)
+    with torch.device("meta"):
+        model = build_python_model(source, model_args(cfg))
+    state = read_model_state(ckpt, model)
+    prefix = "net." if isinstance(model, PythonModel) else ""
+    tensors = {}
+    for names in tie_groups(model):
+        for i, name in enumerate(names):
+            t = state[name].to(DTYPES[dtype]).contiguous()
+            tensors[name.removeprefix(prefix)] = t.clone() if i else t
+    metadata = {
+        "format": "pt",
+        "plait.source": source,
+        "plait.step": str(manifest.get("step", "")),
+        "plait.checkpoint": str(ckpt),
+        "plait.dtype": dtype,
+        "plait.run_config": (run_dir / "config.toml").read_text(),
+    }
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, out)
+        _copy_tokenizer(run_dir, out.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise ExportError(f"writing {out} failed ({exc}); nothing was written there") from None
@@ -264,6 +345,7 @@ def export_hf(run_dir: Path, mcfg, ckpt: Path, out: Path, dtype: str) -> Path:
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         save_hf(mcfg, {k: v.float() for k, v in state.items()}, tmp, DTYPES[dtype])
+        _copy_tokenizer(run_dir, tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -273,7 +355,7 @@ def export_hf(run_dir: Path, mcfg, ckpt: Path, out: Path, dtype: str) -> Path:
     return out
 
 
-_HF_FILES = ("config.json", "generation_config.json", "model.safetensors")
+_HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
 
 
 def exported_metadata(path: str | Path) -> dict[str, str]:
@@ -288,6 +370,11 @@ def exported_metadata(path: str | Path) -> dict[str, str]:
             metadata = fh.metadata() or {}
     except Exception as exc:  # safetensors raises its own SafetensorError for a bad header
         raise ExportError(f"{path} is not a readable safetensors file ({exc})") from None
+    if META_CONFIG not in metadata and "plait.source" in metadata:
+        raise ExportError(
+            f"{path} holds the state dict of model.source = {metadata['plait.source']!r}: build the module "
+            "with your factory and load it with load_state_dict(safetensors.torch.load_file(path))"
+        )
     if META_CONFIG not in metadata:
         raise ExportError(f"{path} has no {META_CONFIG} in its header: it was not written by plait export")
     return metadata
