@@ -433,7 +433,7 @@ def _plan(argv: list[str]) -> int:
         if not r["feasible"]:
             continue
         print(
-            f"{r['layout']:<48}{r['step_s']:>9.4g}{r['tflops_per_device']:>9.1f}{r['mfu']:>6.0%}"
+            f"{r['layout']:<48}{r['step_s']:>9.4g}{r['tflops_per_device']:>9.3g}{r['mfu']:>6.0%}"
             f"{r['memory_gb']:>8.3g}{r['bubble']:>8.1%}{r['comm_share']:>6.0%}"
         )
     bad = [r for r in plans if not r["feasible"]]

@@ -30,6 +30,7 @@ A TOML file with the same fields describes any other cluster::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import tomllib
 from pathlib import Path
@@ -75,10 +76,60 @@ class Cluster:
     host_adam_params_per_s: float = 1e9
     """Parameters per second the host's optimizer step updates for one device (offload)."""
     note: str = ""
+    precision: str = "bf16"
+    """The dtype plans train in: bf16 on accelerators; fp32 on a CPU (`this`), where bf16 matmuls
+    are slow."""
+    cores: int = 0
+    """CPU cores per node that the node's ranks share (0: every device computes on its own). The
+    node's memory is shared too: ``memory_gb`` is the node's, split over its ranks."""
+    rank_tflops: tuple[tuple[int, float], ...] = ()
+    """Measured (ranks on the node, matmul TFLOP/s each rank gets while all compute, with the
+    launcher's threads per rank); empty: ``peak_tflops`` per device."""
+    efficiency_curve: tuple[tuple[float, float], ...] = ()
+    """Measured (d_model, efficiency) points, interpolated in log d_model and held flat beyond
+    the ends; empty: ``efficiency`` for every width."""
+    collectives: tuple[tuple[str, int, int, Link], ...] = ()
+    """Measured (op, ranks, ranks on the node, α-β of the whole collective over its bus bytes):
+    used instead of the link class where they cover the op."""
 
     @property
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
+
+    def efficiency_at(self, d_model: float) -> float:
+        """The compute efficiency of a GPT of this width (the curve, or the one figure)."""
+        pts = sorted(self.efficiency_curve)
+        if not pts:
+            return self.efficiency
+        if d_model <= pts[0][0]:
+            return pts[0][1]
+        for (h0, e0), (h1, e1) in itertools.pairwise(pts):
+            if d_model <= h1:
+                w = math.log(d_model / h0) / math.log(h1 / h0)
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
+
+    def rank_flops(self, ranks: int) -> float:
+        """Matmul FLOP/s one device gets when ``ranks`` devices of a node compute at once. Measured
+        worlds are used as they are; between them the node's total (ranks x per-rank) is
+        interpolated, and beyond the largest it stays at that world's total (the cores are full)."""
+        pts = sorted(self.rank_tflops)
+        if not pts:
+            return self.peak_flops
+        ranks = min(ranks, self.gpus_per_node)
+        total = [(w, w * t * 1e12) for w, t in pts]
+        if ranks <= total[0][0]:
+            return total[0][1] / total[0][0]
+        for (w0, a0), (w1, a1) in itertools.pairwise(total):
+            if ranks <= w1:
+                return (a0 + (ranks - w0) / (w1 - w0) * (a1 - a0)) / ranks
+        return total[-1][1] / ranks
+
+    def collective_link(self, op: str, ranks: int, world: int) -> Link | None:
+        """The measured α-β of `op` over `ranks` ranks while `world` ranks share the node: the
+        measurement with the same op and ranks and the nearest world, else None."""
+        same = [(abs(w - world), link) for o, n, w, link in self.collectives if o == op and n == ranks]
+        return min(same, key=lambda x: x[0])[1] if same else None
 
     def link_for(self, span: int) -> Link:
         """The link of a group whose ranks span ``span`` consecutive global ranks."""
@@ -129,6 +180,9 @@ PRESETS = {
 
 _LIMITS = {  # field: (lowest, highest) accepted from a file
     "gpus_per_node": (1, 1024),
+    "cores": (1, 2**16),
+    "ranks": (2, 1024),
+    "world": (1, 1024),
     "peak_tflops": (1e-6, 1e6),
     "memory_gb": (1e-3, 1e5),
     "efficiency": (1e-3, 1.0),
@@ -164,24 +218,83 @@ def _link(where: str, table) -> Link:
     )
 
 
-def load_cluster(spec: str) -> Cluster:
-    """A preset by name, or a TOML file with the fields of the module docstring."""
-    if spec in PRESETS:
-        return PRESETS[spec]
+PRESET_NAMES = (*PRESETS, "this")
+"""Every name `--cluster` takes: the presets, and `this` (this machine, calibrated)."""
+PRECISIONS = ("bf16", "fp32")
+COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
+
+
+def _read_toml(spec: str) -> dict:
     path = Path(spec)
     if not path.is_file():
         raise ConfigError(
-            f"--cluster {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a TOML file that exists"
+            f"--cluster {spec!r} is neither a preset ({', '.join(PRESET_NAMES)}) nor a TOML file that exists"
         )
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cluster file {spec!r} is not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"cluster file {spec!r} cannot be read ({exc.strerror or exc})") from None
+
+
+def read_calibration_key(path) -> dict | None:
+    """The ``[calibration]`` table of a cluster file (what it was measured on), or None."""
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    table = data.get("calibration")
+    if not isinstance(table, dict):
+        return None
+    return {k: v for k, v in table.items() if k != "date"}
+
+
+def _pairs(where: str, key: str, value, first: str, second: str) -> tuple:
+    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+        raise ConfigError(f"{where}: {key} must be a list of [{first}, {second}] pairs")
+    out = []
+    for a, b in value:
+        for x in (a, b):
+            if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
+                raise ConfigError(f"{where}: {key} holds {x!r}; expected positive numbers")
+        out.append((int(a) if key == "rank_tflops" else float(a), float(b)))
+    return tuple(out)
+
+
+def _collectives(where: str, items) -> tuple:
+    if not isinstance(items, list):
+        raise ConfigError(f"{where}: [[collective]] must be an array of tables")
+    out = []
+    for item in items:
+        fields = {"op", "ranks", "world", "alpha_us", "beta_gbps"}
+        if not isinstance(item, dict) or set(item) != fields:
+            raise ConfigError(f"{where}: each [[collective]] needs exactly {', '.join(sorted(fields))}")
+        if item["op"] not in COLLECTIVE_OPS:
+            raise ConfigError(
+                f"{where}: [[collective]] op = {item['op']!r}; valid: {', '.join(COLLECTIVE_OPS)}"
+            )
+        n, w = (_number(where, k, item[k], integer=True) for k in ("ranks", "world"))
+        link = _link(where, {"alpha_us": item["alpha_us"], "beta_gbps": item["beta_gbps"]})
+        out.append((item["op"], n, w, link))
+    return tuple(out)
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A preset by name, `this` (this machine: `plait.planner.calibrate`), or a TOML file with the
+    fields of the module docstring."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if spec == "this":
+        from plait.planner.calibrate import load_this
+
+        return load_this()
+    data = _read_toml(spec)
+    path = Path(spec)
     required = {"gpus_per_node", "peak_tflops", "memory_gb", "intra", "inter"}
     optional = {"efficiency", "usable_memory", "memory_bw_gbps", "pcie_gbps", "host_adam_params_per_s"}
-    known = required | optional | {"name", "note"}
+    measured = {"precision", "cores", "rank_tflops", "efficiency_curve", "collective", "calibration"}
+    known = required | optional | measured | {"name", "note"}
     if missing := required - set(data):
         raise ConfigError(f"cluster file {spec!r} lacks {', '.join(sorted(missing))}")
     if unknown := set(data) - known:
@@ -190,6 +303,20 @@ def load_cluster(spec: str) -> Cluster:
             f"valid: {', '.join(sorted(known))}"
         )
     where = f"cluster file {spec!r}"
+    precision = data.get("precision", "bf16")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"{where}: precision = {precision!r}; valid: {', '.join(PRECISIONS)}")
+    extra = {"precision": precision}
+    if "cores" in data:
+        extra["cores"] = _number(where, "cores", data["cores"], integer=True)
+    pairs = {"rank_tflops": ("ranks", "TFLOP/s"), "efficiency_curve": ("d_model", "efficiency")}
+    for key, names in pairs.items():
+        if key in data:
+            extra[key] = _pairs(where, key, data[key], *names)
+    if any(e > 1 for _, e in extra.get("efficiency_curve", ())):
+        raise ConfigError(f"{where}: efficiency_curve efficiencies must be at most 1")
+    if "collective" in data:
+        extra["collectives"] = _collectives(where, data["collective"])
     return Cluster(
         name=str(data.get("name", path.stem)),
         gpus_per_node=_number(where, "gpus_per_node", data["gpus_per_node"], integer=True),
@@ -199,4 +326,5 @@ def load_cluster(spec: str) -> Cluster:
         inter=_link(f"{where} [inter]", data["inter"]),
         **{k: _number(where, k, data[k]) for k in optional if k in data},
         note=str(data.get("note", "")),
+        **extra,
     )

@@ -81,10 +81,15 @@ class Layout:
         return "-".join(parts)
 
 
-def _ring_time(link, op: str, payload: float, n: int, messages: int = 1) -> float:
-    """α-β time of one collective: the ledger's bus bytes over β, α per ring step."""
+def _ring_time(link, op: str, payload: float, n: int, messages: int = 1, cluster=None, world=0) -> float:
+    """α-β time of one collective: the ledger's bus bytes over β, α per ring step; or, where the
+    cluster has measured this op over n ranks (`plait plan --calibrate`), α per collective and
+    the measured β over the same bus bytes."""
     if n <= 1 or payload <= 0:
         return 0.0
+    measured = cluster.collective_link(op, n, world) if cluster is not None else None
+    if measured is not None:
+        return messages * measured.alpha_s + bus_bytes(op, payload, n) / measured.beta_bps
     steps = 2 * (n - 1) if op == "all_reduce" else (n - 1)
     return messages * steps * link.alpha_s + bus_bytes(op, payload, n) / link.beta_bps
 
@@ -117,15 +122,18 @@ def evaluate(
     cluster: Cluster,
     *,
     optimizer: str = "adamw",
-    precision: str = "bf16",
+    precision: str | None = None,
     lower_bound: bool = False,
 ) -> dict:
     """The predicted step of `layout`: time, throughput, memory and their terms (see the module
     docstring). The layout's divisibility is the search's business; this prices what it is given.
 
     ``lower_bound=True`` skips the pipeline simulation: no bubble, one micro-batch in flight, so
-    time and memory are lower bounds of the full evaluation (the search's pruning uses them)."""
+    time and memory are lower bounds of the full evaluation (the search's pruning uses them).
+    ``precision`` defaults to the cluster's (bf16 on accelerators, fp32 on `this`)."""
     lo = layout
+    precision = precision or cluster.precision
+    act_bytes = 4 if precision == "fp32" else ACT_BYTES
     b, m, s, h, L, V = (
         lo.microbatch_size,
         lo.microbatches,
@@ -134,7 +142,11 @@ def evaluate(
         cfg.n_layer,
         cfg.vocab_size,
     )
-    rate = cluster.peak_flops * cluster.efficiency
+    # A rank's rate: its device's peak (or, on a CPU node, the matmul rate measured with as many
+    # ranks computing at once) times the efficiency of a layer of this width.
+    node_ranks = min(lo.devices, cluster.gpus_per_node)
+    rate = cluster.rank_flops(node_ranks) * cluster.efficiency_at(h)
+    coll = {"cluster": cluster, "world": node_ranks}
     links = axis_links(cluster, {"tp": lo.tp, "ep": lo.ep, "dp": lo.dp, "pp": lo.pp})
     tokens = b * s
 
@@ -153,17 +165,21 @@ def evaluate(
 
     # Tensor parallel: 2 all-reduces forward, 2 backward per block (Megatron's f and g), 2 more
     # when recomputation replays the forward; SP's all-gather + reduce-scatter moves the same bytes.
-    act = tokens * h * ACT_BYTES
-    tp_ar = _ring_time(links["tp"], "all_reduce", act, lo.tp)
+    act = tokens * h * act_bytes
+    tp_ar = _ring_time(links["tp"], "all_reduce", act, lo.tp, **coll)
     tp_f, tp_b = 2 * k * tp_ar, (4 if lo.recompute else 2) * k * tp_ar
     # Expert parallel: dispatch and combine all-to-alls of top_k copies of each token, per MoE block.
     moe_k = cfg.n_moe_layers * k / L
-    ep_a2a = _ring_time(links["ep"], "all_to_all", act * max(cfg.top_k, 1), lo.ep) if cfg.experts else 0.0
+    ep_a2a = (
+        _ring_time(links["ep"], "all_to_all", act * max(cfg.top_k, 1), lo.ep, **coll) if cfg.experts else 0.0
+    )
     ep_f, ep_b = 2 * moe_k * ep_a2a, 2 * moe_k * ep_a2a
     comm_f, comm_b = tp_f + ep_f, tp_b + ep_b
 
     # The pipeline, or the accumulation loop.
-    p2p = links["pp"].time(act / (lo.tp if lo.sequence_parallel else 1)) if lo.pp > 1 else 0.0
+    p2p_bytes = act / (lo.tp if lo.sequence_parallel else 1)
+    p2p_link = cluster.collective_link("send", 2, node_ranks) or links["pp"]
+    p2p = p2p_link.time(p2p_bytes) if lo.pp > 1 else 0.0
     if lo.pp > 1 and lower_bound:
         body = m * (f + b_ + w_ + comm_f + comm_b + head_f + head_b)
         bubble, in_flight, p2p_exposed = 0.0, 1.0, 0.0
@@ -185,16 +201,18 @@ def evaluate(
     link_d = links["dp"] if lo.dp > 1 else links["ep"]
     buckets = max(1, math.ceil(psi * g_bytes / BUCKET_BYTES))
     if lo.zero_stage == 0:
-        grad_t = _ring_time(link_d, "all_reduce", psi * g_bytes, n_data, buckets)
+        grad_t = _ring_time(link_d, "all_reduce", psi * g_bytes, n_data, buckets, **coll)
         gather_t = 0.0
     else:
         shard_link = (
             axis_links(cluster, {"tp": lo.tp, "ep": lo.ep, "dp": shard})["dp"] if lo.hybrid_shard else link_d
         )
-        grad_t = _ring_time(shard_link, "reduce_scatter", psi * g_bytes, shard, buckets)
+        grad_t = _ring_time(shard_link, "reduce_scatter", psi * g_bytes, shard, buckets, **coll)
         if lo.hybrid_shard and n_data > shard:  # the shards' all-reduce across the replicas
-            grad_t += _ring_time(link_d, "all_reduce", psi * g_bytes / shard, n_data // shard, buckets)
-        gather_t = _ring_time(shard_link, "all_gather", psi * p_bytes, shard, buckets)
+            grad_t += _ring_time(
+                link_d, "all_reduce", psi * g_bytes / shard, n_data // shard, buckets, **coll
+            )
+        gather_t = _ring_time(shard_link, "all_gather", psi * p_bytes, shard, buckets, **coll)
     last_backward = b_ + w_ + head_b
     last_bucket = grad_t / buckets
     dp_exposed = max(grad_t - last_backward, last_bucket) if grad_t else 0.0
@@ -242,6 +260,8 @@ def evaluate(
     act_total = round(act_mb * in_flight) + working + logits
     memory = state_bytes + act_total
     usable = cluster.memory_gb * cluster.usable_memory * GB
+    if cluster.cores:  # a CPU node's memory is shared by its ranks
+        usable /= node_ranks
 
     hw_flops = gpt_train_flops_per_token(cfg, recompute=lo.recompute) * global_batch * s
     comm_s = m * (comm_f + comm_b) + p2p_exposed + dp_exposed

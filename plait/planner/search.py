@@ -56,6 +56,7 @@ def enumerate_layouts(
 ):
     """Every layout the search considers for `devices` devices (a generator of `Layout`)."""
     L = cfg.n_layer
+    offloads = ("none",) if cluster.cores else ("none", "cpu")  # on a CPU the host is the device
     for tp in _pow2_upto(min(cluster.gpus_per_node, devices)):
         if devices % tp or cfg.n_head % tp or cfg.ff_dim % tp:
             continue
@@ -83,7 +84,7 @@ def enumerate_layouts(
                                 for rc in (False, True):
                                     if rc and tp > 1 and dropout > 0:
                                         continue  # plait refuses tp + dropout + recomputation
-                                    for off in ("none", "cpu") if zero and pp == 1 else ("none",):
+                                    for off in offloads if zero and pp == 1 else ("none",):
                                         yield Layout(
                                             dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero, hybrid_shard=hs,
                                             sequence_parallel=sp, microbatch_size=b, microbatches=m,
@@ -106,8 +107,9 @@ def _schedules(pp: int, m: int, L: int):
         yield kind, v
 
 
-def layout_config(base, layout: Layout):
-    """The plait `Config` that runs `layout`: `base` with the parallel keys set (bf16 on)."""
+def layout_config(base, layout: Layout, bf16: bool = True):
+    """The plait `Config` that runs `layout`: `base` with the parallel keys set, and bf16 on or off
+    (the cluster's precision: bf16 on accelerators, fp32 on a CPU)."""
     cfg = copy.deepcopy(base)
     p = cfg.parallel
     p.dp, p.tp, p.pp, p.ep = layout.dp, layout.tp, layout.pp, layout.ep
@@ -127,7 +129,7 @@ def layout_config(base, layout: Layout):
         p.microbatches, p.virtual_stages = 0, 0
         cfg.train.micro_batches = layout.microbatches
     cfg.train.activation_checkpointing = layout.recompute
-    cfg.train.bf16 = True
+    cfg.train.bf16 = bf16
     cfg.offload.optimizer = layout.offload
     return cfg
 
@@ -160,12 +162,12 @@ def load_plan_config(path=None, overrides=()):
     return cfg
 
 
-def check_runnable(base, layout: Layout) -> str:
+def check_runnable(base, layout: Layout, bf16: bool = True) -> str:
     """'' if plait's own config validation accepts `layout` on `base`, else its message."""
     from plait.train.config import validate
 
     try:
-        validate(layout_config(base, layout), data=False)
+        validate(layout_config(base, layout, bf16), data=False)
     except ConfigError as exc:
         return f"not runnable: {exc}"
     return ""
@@ -227,7 +229,7 @@ def plan(
         fresh = False
         for r in best:
             lay = next(k for k, v in priced.items() if v is r)
-            reason = check_runnable(base, lay) if base is not None else ""
+            reason = check_runnable(base, lay, cluster.precision == "bf16") if base is not None else ""
             if reason:
                 r["feasible"], r["reason"] = False, reason
                 refused.add(lay)
