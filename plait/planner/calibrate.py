@@ -6,9 +6,10 @@ What is measured, in under a minute (docs/planner.md, "Calibration"):
   launcher gives it (``cores // ranks``, at least 1), in worlds of 1, 2 and 4 processes: the
   FLOP/s a rank gets when its peers compute too (four ranks on two cores share them).
 * **Efficiency.** One process, one thread: the forward and backward of a 2-block GPT at widths
-  64 to 512 (sequence = width, as plait's named sizes), its model FLOPs (`plait.models.flops`)
-  over the time, as a fraction of the one-thread matmul: the layer's non-GEMM work (norms,
-  softmax, element-wise) is what makes narrow models slower than the matmul.
+  64 to 512 and micro-batches of 1 and 8 sequences of 128 tokens, its model FLOPs
+  (`plait.models.flops`) over the time, as a fraction of the one-thread matmul measured just
+  before: the layer's non-GEMM work (norms, softmax, element-wise) and small GEMMs are what make
+  narrow models and small micro-batches slower than the matmul.
 * **Collectives.** Each collective plait uses (all-reduce, reduce-scatter, all-gather,
   all-to-all, send/recv), through `plait.comm` over gloo, at a few payloads each: over 2 ranks
   in a world of 2, over 4 in a world of 4, and over pairs of a world of 4 (both pairs at once,
@@ -44,6 +45,9 @@ SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20, 16 * 2**20)
 """Collective payloads in bytes (the full tensor, as the ledger counts it)."""
 REPS = 5
 WIDTHS = (64, 128, 256, 512)
+ROWS = (1, 8)
+PROBE_SEQ = 128
+"""The efficiency probe: widths x rows of PROBE_SEQ tokens (128 and 1024 tokens per micro-batch)."""
 WORLDS = (2, 4)
 
 
@@ -110,21 +114,21 @@ class _Bar:
             sys.stderr.flush()
 
 
-def _matmul_flops(threads: int, n: int = 768, seconds: float = 0.6) -> float:
-    """Best FLOP/s of an n^3 fp32 matmul with `threads` threads over about `seconds`."""
+def _matmul_flops(threads: int, n: int = 768, seconds: float = 0.4) -> float:
+    """Median FLOP/s of an n^3 fp32 matmul with `threads` threads over about `seconds` (the
+    median, as the step times it is compared with: on a shared machine the best is luck)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(0)
         a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
         torch.mm(a, b)
-        best, t_end, reps = math.inf, time.perf_counter() + seconds, 0
-        while reps < 3 or time.perf_counter() < t_end:
+        times, t_end = [], time.perf_counter() + seconds
+        while len(times) < 5 or time.perf_counter() < t_end:
             t0 = time.perf_counter()
             torch.mm(a, b)
-            best = min(best, time.perf_counter() - t0)
-            reps += 1
-        return 2.0 * n**3 / best
+            times.append(time.perf_counter() - t0)
+        return 2.0 * n**3 / statistics.median(times)
     finally:
         torch.set_num_threads(previous)
 
@@ -184,8 +188,10 @@ def _ranks_measure(cores: int, sizes: tuple[int, ...], reps: int) -> dict:
     return {"flops": flops, "times": times}
 
 
-def _efficiency_curve(peak_1thread: float, widths=WIDTHS, bar: _Bar | None = None) -> list:
-    """[(d_model, efficiency)]: a 2-block GPT's forward + backward at each width, one thread."""
+def _efficiency_curve(widths=WIDTHS, rows=ROWS, bar: _Bar | None = None) -> list:
+    """[(d_model, tokens per micro-batch, efficiency)]: a 2-block GPT's forward + backward at
+    sequence `PROBE_SEQ`, one thread, its model FLOP/s over the matmul's measured just before
+    (both medians, so that the machine's load of the moment cancels)."""
     from plait.models import GPT
     from plait.models.flops import gpt_train_flops_per_token
     from plait.models.gpt import GPTConfig
@@ -195,22 +201,23 @@ def _efficiency_curve(peak_1thread: float, widths=WIDTHS, bar: _Bar | None = Non
     out = []
     try:
         for h in widths:
-            cfg = GPTConfig(vocab_size=256, seq_len=h, n_layer=2, n_head=max(1, h // 32), d_model=h)
+            cfg = GPTConfig(vocab_size=256, seq_len=PROBE_SEQ, n_layer=2, n_head=max(1, h // 32), d_model=h)
             torch.manual_seed(0)
             model = GPT(cfg)
-            rows = max(1, 1024 // h)
-            x = torch.randint(0, 256, (rows, h))
-            best = math.inf
-            for r in range(3):
-                t0 = time.perf_counter()
-                model(x, x).backward()
-                if r:
-                    best = min(best, time.perf_counter() - t0)
-            model.zero_grad(set_to_none=True)
-            flops = gpt_train_flops_per_token(cfg) * rows * h
-            out.append((h, round(min(1.0, flops / best / peak_1thread), 4)))
-            if bar:
-                bar.step(f"GPT block efficiency at d_model {h}")
+            for r in rows:
+                x = torch.randint(0, 256, (r, PROBE_SEQ))
+                peak = _matmul_flops(1, seconds=0.15)
+                times = []
+                for i in range(4):
+                    t0 = time.perf_counter()
+                    model(x, x).backward()
+                    if i:
+                        times.append(time.perf_counter() - t0)
+                model.zero_grad(set_to_none=True)
+                flops = gpt_train_flops_per_token(cfg) * r * PROBE_SEQ
+                out.append((h, r * PROBE_SEQ, round(min(1.0, flops / statistics.median(times) / peak), 4)))
+                if bar:
+                    bar.step(f"GPT efficiency, d_model {h}, {r * PROBE_SEQ} tokens")
     finally:
         torch.set_num_threads(previous)
     return out
@@ -238,11 +245,11 @@ def calibrate(quiet: bool = False) -> dict:
     key = machine_key()
     cores = key["cores"]
     t_start = time.perf_counter()
-    bar = _Bar(len(WIDTHS) + 2, quiet=quiet)
+    bar = _Bar(len(WIDTHS) * len(ROWS) + 2, quiet=quiet)
     bar.step("matmul, one process")
     peak1 = _matmul_flops(1)
     rank_tflops = [(1, round(_matmul_flops(threads_per_rank(1, cores)) / 1e12, 6))]
-    curve = _efficiency_curve(peak1, bar=bar)
+    curve = _efficiency_curve(bar=bar)
     bar.step("optimizer step")
     opt_bw = _optimizer_bandwidth()
     bar.end()
@@ -262,7 +269,7 @@ def calibrate(quiet: bool = False) -> dict:
         "gpus_per_node": 1024,
         "peak_tflops": round(peak1 / 1e12, 6),
         "memory_gb": round(mem_gb, 3),
-        "efficiency": curve[-1][1],
+        "efficiency": curve[-1][2],
         "memory_bw_gbps": round(opt_bw / 1e9, 4),
         "cores": cores,
         "precision": "fp32",

@@ -85,9 +85,9 @@ class Cluster:
     rank_tflops: tuple[tuple[int, float], ...] = ()
     """Measured (ranks on the node, matmul TFLOP/s each rank gets while all compute, with the
     launcher's threads per rank); empty: ``peak_tflops`` per device."""
-    efficiency_curve: tuple[tuple[float, float], ...] = ()
-    """Measured (d_model, efficiency) points, interpolated in log d_model and held flat beyond
-    the ends; empty: ``efficiency`` for every width."""
+    efficiency_curve: tuple[tuple[float, float, float], ...] = ()
+    """Measured (d_model, tokens per micro-batch, efficiency) points on a grid, interpolated in
+    log d_model and log tokens and held flat beyond the ends; empty: ``efficiency`` throughout."""
     collectives: tuple[tuple[str, int, int, Link], ...] = ()
     """Measured (op, ranks, ranks on the node, α-β of the whole collective over its bus bytes):
     used instead of the link class where they cover the op."""
@@ -96,18 +96,19 @@ class Cluster:
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
 
-    def efficiency_at(self, d_model: float) -> float:
-        """The compute efficiency of a GPT of this width (the curve, or the one figure)."""
-        pts = sorted(self.efficiency_curve)
-        if not pts:
+    def efficiency_at(self, d_model: float, tokens: float = 0) -> float:
+        """The compute efficiency of a GPT of this width on micro-batches of `tokens` tokens (the
+        measured grid, or the one figure)."""
+        if not self.efficiency_curve:
             return self.efficiency
-        if d_model <= pts[0][0]:
-            return pts[0][1]
-        for (h0, e0), (h1, e1) in itertools.pairwise(pts):
-            if d_model <= h1:
-                w = math.log(d_model / h0) / math.log(h1 / h0)
-                return e0 + w * (e1 - e0)
-        return pts[-1][1]
+        widths = sorted({h for h, _, _ in self.efficiency_curve})
+        grid = {(h, t): e for h, t, e in self.efficiency_curve}
+
+        def along(h: float) -> float:
+            pts = sorted((t, e) for (hh, t), e in grid.items() if hh == h)
+            return _log_interp([t for t, _ in pts], [e for _, e in pts], tokens or pts[-1][0])
+
+        return _log_interp(widths, [along(h) for h in widths], d_model)
 
     def rank_flops(self, ranks: int) -> float:
         """Matmul FLOP/s one device gets when ``ranks`` devices of a node compute at once. Measured
@@ -134,6 +135,16 @@ class Cluster:
     def link_for(self, span: int) -> Link:
         """The link of a group whose ranks span ``span`` consecutive global ranks."""
         return self.intra if span <= self.gpus_per_node else self.inter
+
+
+def _log_interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear in log x through sorted (xs, ys), flat beyond the ends."""
+    if x <= xs[0]:
+        return ys[0]
+    for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:], strict=False):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return ys[-1]
 
 
 def axis_links(cluster: Cluster, sizes: dict[str, int]) -> dict[str, Link]:
@@ -250,15 +261,20 @@ def read_calibration_key(path) -> dict | None:
     return {k: v for k, v in table.items() if k != "date"}
 
 
-def _pairs(where: str, key: str, value, first: str, second: str) -> tuple:
-    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
-        raise ConfigError(f"{where}: {key} must be a list of [{first}, {second}] pairs")
+def _tuples(where: str, key: str, value, names: tuple[str, ...]) -> tuple:
+    n = len(names)
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(p, list) and len(p) == n for p in value)
+    ):
+        raise ConfigError(f"{where}: {key} must be a list of [{', '.join(names)}] lists")
     out = []
-    for a, b in value:
-        for x in (a, b):
+    for item in value:
+        for x in item:
             if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
                 raise ConfigError(f"{where}: {key} holds {x!r}; expected positive numbers")
-        out.append((int(a) if key == "rank_tflops" else float(a), float(b)))
+        out.append((int(item[0]) if key == "rank_tflops" else float(item[0]), *map(float, item[1:])))
     return tuple(out)
 
 
@@ -309,11 +325,11 @@ def load_cluster(spec: str) -> Cluster:
     extra = {"precision": precision}
     if "cores" in data:
         extra["cores"] = _number(where, "cores", data["cores"], integer=True)
-    pairs = {"rank_tflops": ("ranks", "TFLOP/s"), "efficiency_curve": ("d_model", "efficiency")}
-    for key, names in pairs.items():
+    tables = {"rank_tflops": ("ranks", "TFLOP/s"), "efficiency_curve": ("d_model", "tokens", "efficiency")}
+    for key, names in tables.items():
         if key in data:
-            extra[key] = _pairs(where, key, data[key], *names)
-    if any(e > 1 for _, e in extra.get("efficiency_curve", ())):
+            extra[key] = _tuples(where, key, data[key], names)
+    if any(e > 1 for *_, e in extra.get("efficiency_curve", ())):
         raise ConfigError(f"{where}: efficiency_curve efficiencies must be at most 1")
     if "collective" in data:
         extra["collectives"] = _collectives(where, data["collective"])

@@ -13,7 +13,8 @@ Every term reuses the piece of plait that already states it (docs/planner.md has
   dp's gradient all-reduce / ZeRO's reduce-scatter and all-gather;
 * overlap where plait overlaps: the dp gradient reduction with the backward of the step's last
   micro-batch (plait's bucketed `GradSync`), ZeRO-3's gathers with compute; tp, ep and ZeRO-1/2's
-  parameter all-gather after the step are exposed;
+  parameter all-gather after the step are exposed; on a CPU node (``cluster.cores``) nothing
+  hides: gloo reduces and copies on the cores that compute;
 * the pipeline — plait's own simulator on the schedule plait runs (`plait.planner.stages`);
 * memory — `plait.zero.estimate`'s model states and activations (Korthikanti et al. 2022) times
   the micro-batches the simulator finds in flight, plus the fp32 logits.
@@ -145,7 +146,7 @@ def evaluate(
     # A rank's rate: its device's peak (or, on a CPU node, the matmul rate measured with as many
     # ranks computing at once) times the efficiency of a layer of this width.
     node_ranks = min(lo.devices, cluster.gpus_per_node)
-    rate = cluster.rank_flops(node_ranks) * cluster.efficiency_at(h)
+    rate = cluster.rank_flops(node_ranks) * cluster.efficiency_at(h, b * s)
     coll = {"cluster": cluster, "world": node_ranks}
     links = axis_links(cluster, {"tp": lo.tp, "ep": lo.ep, "dp": lo.dp, "pp": lo.pp})
     tokens = b * s
@@ -200,6 +201,8 @@ def evaluate(
     shard = lo.hybrid_shard or n_data
     link_d = links["dp"] if lo.dp > 1 else links["ep"]
     buckets = max(1, math.ceil(psi * g_bytes / BUCKET_BYTES))
+    if lo.zero_stage == 3:  # one unit per block and the root (plait.zero.shard): a message each
+        buckets = k + 1
     if lo.zero_stage == 0:
         grad_t = _ring_time(link_d, "all_reduce", psi * g_bytes, n_data, buckets, **coll)
         gather_t = 0.0
@@ -216,9 +219,12 @@ def evaluate(
     last_backward = b_ + w_ + head_b
     last_bucket = grad_t / buckets
     dp_exposed = max(grad_t - last_backward, last_bucket) if grad_t else 0.0
+    if cluster.cores:  # a CPU's ranks reduce and copy on the cores that compute: nothing hides
+        dp_exposed = grad_t
     if lo.zero_stage == 3:  # gathered again for every micro-batch's forward and backward
         gathers = 2 * m * gather_t
-        dp_exposed += max(gathers - m * (f + b_ + w_), gather_t / max(k, 1))
+        hidden = 0.0 if cluster.cores else m * (f + b_ + w_)
+        dp_exposed += max(gathers - hidden, gather_t / max(k, 1))
     else:
         dp_exposed += gather_t  # ZeRO-1/2: the updated parameters, gathered after the step
 

@@ -135,6 +135,12 @@ class ParallelConfig:
     hybrid_shard: int = _f(
         0, "shard within groups of this many dp ranks and replicate across groups (0 = shard over all dp)"
     )
+    plan: str = _f(
+        "manual",
+        "manual (the keys above) or auto: plait plan chooses the layout of parallel.world processes on "
+        "this machine (calibrated); layout keys set to other than their default are kept as constraints",
+    )
+    world: int = _f(0, "parallel.plan = auto: processes to run (0 = pp x dp x ep x tp as configured)")
 
 
 @dataclasses.dataclass
@@ -379,6 +385,7 @@ def config_from_dict(data: dict, check_data: bool = True) -> Config:
 
 
 COMM_TARGETS = ("gradient", "momentum")
+PLANS = ("manual", "auto")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -410,7 +417,7 @@ _BOUNDS = {
         ("model.n_layer", "model.n_head", "model.d_model", "model.d_ff", "model.seq_len", "model.experts")
         + ("model.vocab_size",)
         + ("model.moe_every", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep")
-        + ("parallel.microbatches", "parallel.virtual_stages", "parallel.hybrid_shard")
+        + ("parallel.microbatches", "parallel.virtual_stages", "parallel.hybrid_shard", "parallel.world")
         + ("train.global_batch", "train.micro_batches", "train.eval_batches", "comm.powersgd_rank")
         + ("ps.servers", "ps.staleness"),
         (MAX_SIZE, "2**20"),
@@ -446,6 +453,19 @@ def validate(cfg: Config, data: bool = True) -> None:
     t, p = cfg.train, cfg.parallel
     for name in ("dp", "tp", "pp", "ep"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    _require(p.plan in PLANS, f"parallel.plan = {p.plan!r} is not valid; valid: {', '.join(PLANS)}")
+    _require(p.world >= 0, f"parallel.world must be >= 0 (0 = pp x dp x ep x tp), got {p.world}")
+    if p.plan == "auto":
+        from plait.planner.auto import check_auto
+
+        check_auto(cfg, data=data)  # the layout is the planner's: checked over its candidates
+        return
+    _require(
+        p.world in (0, cfg.world_size),
+        f"parallel.world = {p.world} but parallel.pp x dp x ep x tp = {cfg.world_size}: with "
+        "parallel.plan = 'manual' the degrees give the world; set parallel.world = 0 (or "
+        f"{cfg.world_size}), or parallel.plan = 'auto' to have the layout chosen",
+    )
     _validate_ps(cfg)
     _validate_moe(cfg)
     _require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
