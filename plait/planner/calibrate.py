@@ -191,7 +191,7 @@ def _ranks_measure(cores: int, sizes: tuple[int, ...], reps: int) -> dict:
 def _efficiency_curve(widths=WIDTHS, rows=ROWS, bar: _Bar | None = None) -> list:
     """[(d_model, tokens per micro-batch, efficiency)]: a 2-block GPT's forward + backward at
     sequence `PROBE_SEQ`, one thread, its model FLOP/s over the matmul's measured just before
-    (both medians, so that the machine's load of the moment cancels)."""
+    (the median of three such ratios, each pair measured moments apart)."""
     from plait.models import GPT
     from plait.models.flops import gpt_train_flops_per_token
     from plait.models.gpt import GPTConfig
@@ -206,16 +206,16 @@ def _efficiency_curve(widths=WIDTHS, rows=ROWS, bar: _Bar | None = None) -> list
             model = GPT(cfg)
             for r in rows:
                 x = torch.randint(0, 256, (r, PROBE_SEQ))
-                peak = _matmul_flops(1, seconds=0.15)
-                times = []
-                for i in range(4):
+                flops = gpt_train_flops_per_token(cfg) * r * PROBE_SEQ
+                model(x, x).backward()  # warm-up
+                ratios = []
+                for _ in range(3):  # pairs taken moments apart: the load of the moment cancels
+                    peak = _matmul_flops(1, seconds=0.1)
                     t0 = time.perf_counter()
                     model(x, x).backward()
-                    if i:
-                        times.append(time.perf_counter() - t0)
+                    ratios.append(flops / (time.perf_counter() - t0) / peak)
                 model.zero_grad(set_to_none=True)
-                flops = gpt_train_flops_per_token(cfg) * r * PROBE_SEQ
-                out.append((h, r * PROBE_SEQ, round(min(1.0, flops / statistics.median(times) / peak), 4)))
+                out.append((h, r * PROBE_SEQ, round(min(1.0, statistics.median(ratios)), 4)))
                 if bar:
                     bar.step(f"GPT efficiency, d_model {h}, {r * PROBE_SEQ} tokens")
     finally:
