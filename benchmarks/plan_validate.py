@@ -25,8 +25,10 @@ that; nothing is fitted per layout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,6 +49,7 @@ MODELS = {  # name: (overrides, global batch)
     "20m": ((("model.seq_len", "128"),), 4),
 }
 WARMUP = 2
+CLUSTER_COPY = RESULTS / "plan_validate_cluster.toml"
 
 
 def _l(dp=1, tp=1, pp=1, z=0, sp=False, m=1, sched="none", v=1, rc=False, rows=16) -> Layout:
@@ -144,11 +147,21 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="3 layouts per group (a smoke run)")
     ap.add_argument("--models", default="small,20m")
     ap.add_argument("--worlds", default="2,4")
+    ap.add_argument(
+        "--reprice",
+        action="store_true",
+        help="no runs: price the measured layouts of results/plan_validate.json again with the current "
+        "cost model on the calibration saved beside it (after a change to the model)",
+    )
     args = ap.parse_args()
+    if args.reprice:
+        return reprice()
     info = machine_info()
     t0 = time.time()
     cluster = load_this(recalibrate=True)
     calib_s = time.time() - t0
+    RESULTS.mkdir(exist_ok=True)
+    shutil.copy(cache_path(), CLUSTER_COPY)  # what the predictions rest on, for --reprice
     rows_out, groups = [], {}
     with tempfile.TemporaryDirectory(prefix="plan-validate-") as tmp:
         for model in args.models.split(","):
@@ -175,6 +188,8 @@ def main() -> int:
                         "measured_s": meas,
                         "error": pred["step_s"] / meas - 1,
                         "planner_pick": lay == pick,
+                        "layout_fields": dataclasses.asdict(lay),
+                        "command": command_line(),
                         "feasible": pred["feasible"],
                     }
                     rows_out.append(rec)
@@ -188,7 +203,36 @@ def main() -> int:
     return 0
 
 
-def report(rows, groups, cluster, info, calib_s, total_s) -> None:
+def reprice() -> int:
+    """Predictions of the saved runs again, from the current cost model and the saved calibration."""
+    from plait.planner.cluster import load_cluster
+
+    saved = json.loads((RESULTS / "plan_validate.json").read_text())
+    cluster = load_cluster(str(CLUSTER_COPY))
+    groups: dict = {}
+    for r in saved["rows"]:
+        base = base_config(r["model"], 10)
+        gpt = model_config(base)
+        lay = Layout(**r["layout_fields"]) if "layout_fields" in r else _by_name(gpt, base, r, cluster)
+        r["layout_fields"] = dataclasses.asdict(lay)
+        r["predicted_first_run_s"] = r.get("predicted_first_run_s", r["predicted_s"])
+        r["predicted_s"] = evaluate(gpt, base.train.global_batch, lay, cluster, precision="fp32")["step_s"]
+        r["error"] = r["predicted_s"] / r["measured_s"] - 1
+        groups.setdefault((r["model"], r["world"]), []).append(r)
+    info, calib_s, total_s = saved.get("machine", {}), saved.get("calibration_s", 0), saved.get("total_s", 0)
+    report(saved["rows"], groups, cluster, info, calib_s, total_s, repriced=True)
+    return 0
+
+
+def _by_name(gpt, base, row, cluster) -> Layout:
+    """The layout of a saved row that has only its name (results written before layout_fields)."""
+    from plait.planner.search import enumerate_layouts
+
+    every = enumerate_layouts(gpt, base.train.global_batch, row["world"], cluster)
+    return next(lay for lay in every if lay.name() == row["layout"])
+
+
+def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> None:
     RESULTS.mkdir(exist_ok=True)
     summary = []
     for (model, world), recs in groups.items():
@@ -215,13 +259,33 @@ def report(rows, groups, cluster, info, calib_s, total_s) -> None:
         "runs": len(rows),
     }
     (RESULTS / "plan_validate.json").write_text(
-        json.dumps({"rows": rows, "summary": summary, "overall": overall}, indent=1)
+        json.dumps(
+            {
+                "rows": rows,
+                "summary": summary,
+                "overall": overall,
+                "machine": info,
+                "calibration_s": calib_s,
+                "total_s": total_s,
+                "command": command_line() if not repriced else rows and rows[0].get("command"),
+            },
+            indent=1,
+        )  # fmt: skip
     )
     _plot(rows, RESULTS / "plan_validate.png")
     lines = [
         "# Planner: predicted vs measured step time on this machine",
         "",
-        f"Command: `{command_line()}` (total {total_s / 60:.1f} min, calibration {calib_s:.0f} s).",
+        f"Command: `{rows[0].get('command', command_line()) if rows else command_line()}` "
+        f"(total {total_s / 60:.1f} min, "
+        f"calibration {calib_s:.0f} s)."
+        + (
+            f" Predictions repriced by `{command_line()}` with the cost model of now on the same calibration "
+            "(plan_validate_cluster.toml) and the same measurements; the first run's predictions are in "
+            "plan_validate.json (`predicted_first_run_s`)."
+            if repriced
+            else ""
+        ),
         "",
         "Machine: " + "; ".join(f"{k}: {v}" for k, v in info.items()),
         "",

@@ -333,6 +333,10 @@ def test_rank_rate_models_ranks_sharing_cores():
     assert c.rank_flops(2) == pytest.approx(0.04e12)
     assert c.rank_flops(3) == pytest.approx(0.10e12 / 3)  # the node's totals 0.08 and 0.12, interpolated
     assert c.rank_flops(8) == pytest.approx(0.12e12 / 8)  # the cores are full: the node's total is shared
+    # Three of four ranks computing at a time share the node's total; two would get more than a
+    # rank's one thread reaches alone, so they get that.
+    assert c.rank_flops(4, computing=3) == pytest.approx(0.12e12 / 3)
+    assert c.rank_flops(4, computing=2) == pytest.approx(0.05e12)
 
 
 def test_cost_model_uses_measured_collectives_and_shares_a_cpu_node(this_cache):
@@ -345,10 +349,15 @@ def test_cost_model_uses_measured_collectives_and_shares_a_cpu_node(this_cache):
     assert got["terms"]["dp_grad_s"] == pytest.approx(400e-6 + psi * 4 / 1e9, rel=1e-12)
     assert got["terms"]["dp_exposed_s"] == got["terms"]["dp_grad_s"]
     four = evaluate(cfg, 16, Layout(dp=4, microbatch_size=4, microbatches=1), c)
-    # Half the rows per rank, at half the per-rank rate (4 ranks on 2 cores) and the efficiency of
-    # 512-token micro-batches instead of 1024.
-    ratio = 0.5 * (0.04 / 0.02) * c.efficiency_at(128, 1024) / c.efficiency_at(128, 512)
+    # Half the rows per rank, at the rate of 4 ranks on 2 cores (the node's total shared by the ranks
+    # computing at a time) and the efficiency of 512-token micro-batches instead of 1024.
+    rate2, rate4 = (c.rank_flops(n, r["terms"]["computing_ranks"]) for n, r in ((2, got), (4, four)))
+    assert 1 < four["terms"]["computing_ranks"] <= 4 and rate4 < rate2
+    ratio = 0.5 * (rate2 / rate4) * c.efficiency_at(128, 1024) / c.efficiency_at(128, 512)
     assert four["terms"]["compute_s"] == pytest.approx(got["terms"]["compute_s"] * ratio, rel=1e-12)
+    # The fixed point: the ranks computing are the ranks x the share of the step spent computing.
+    busy = four["terms"]["compute_s"] / four["step_s"]
+    assert four["terms"]["computing_ranks"] == pytest.approx(4 * busy, rel=0.02)
     assert four["memory_gb"] < c.memory_gb * 0.9 / 4
 
 

@@ -110,21 +110,27 @@ class Cluster:
 
         return _log_interp(widths, [along(h) for h in widths], d_model)
 
-    def rank_flops(self, ranks: int) -> float:
-        """Matmul FLOP/s one device gets when ``ranks`` devices of a node compute at once. Measured
-        worlds are used as they are; between them the node's total (ranks x per-rank) is
-        interpolated, and beyond the largest it stays at that world's total (the cores are full)."""
+    def rank_flops(self, ranks: int, computing: float = 0.0) -> float:
+        """Matmul FLOP/s one of ``ranks`` devices of a node gets. Measured worlds are used as they
+        are; between them the node's total (ranks x per-rank) is interpolated, and beyond the
+        largest it stays at that world's total (the cores are full). ``computing``: the ranks
+        computing at a time, on average (default all): the node's total is shared by them, up
+        to what a rank's own threads reach alone (the one-thread peak per thread)."""
         pts = sorted(self.rank_tflops)
         if not pts:
             return self.peak_flops
         ranks = min(ranks, self.gpus_per_node)
         total = [(w, w * t * 1e12) for w, t in pts]
+        node = total[-1][1]
         if ranks <= total[0][0]:
-            return total[0][1] / total[0][0]
+            node = total[0][1] * ranks / total[0][0]
         for (w0, a0), (w1, a1) in itertools.pairwise(total):
-            if ranks <= w1:
-                return (a0 + (ranks - w0) / (w1 - w0) * (a1 - a0)) / ranks
-        return total[-1][1] / ranks
+            if w0 < ranks <= w1:
+                node = a0 + (ranks - w0) / (w1 - w0) * (a1 - a0)
+                break
+        active = min(max(computing or ranks, 1.0), ranks)
+        threads = max(1, self.cores // ranks) if self.cores else 1
+        return min(node / active, max(node / ranks, self.peak_flops * threads))
 
     def collective_link(self, op: str, ranks: int, world: int) -> Link | None:
         """The measured α-β of `op` over `ranks` ranks while `world` ranks share the node: the

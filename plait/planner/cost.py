@@ -126,6 +126,34 @@ def evaluate(
     precision: str | None = None,
     lower_bound: bool = False,
 ) -> dict:
+    """The predicted step of `layout` (see `_evaluate`). On a CPU node (``cluster.cores``) the
+    ranks share the cores: a rank waiting (in a pipeline's bubble, in a collective) leaves them
+    to the others, so the compute rate follows the ranks computing on average, found by a fixed
+    point from all of them computing (three rounds); a lower bound takes one computing rank."""
+    kw = {"optimizer": optimizer, "precision": precision, "lower_bound": lower_bound}
+    node_ranks = min(layout.devices, cluster.gpus_per_node)
+    if not cluster.cores or node_ranks == 1:
+        return _evaluate(cfg, global_batch, layout, cluster, **kw)
+    if lower_bound:
+        return _evaluate(cfg, global_batch, layout, cluster, computing=1.0, **kw)
+    out = _evaluate(cfg, global_batch, layout, cluster, computing=float(node_ranks), **kw)
+    for _ in range(3):
+        busy = min(1.0, out["terms"]["compute_s"] / out["step_s"])
+        out = _evaluate(cfg, global_batch, layout, cluster, computing=max(1.0, node_ranks * busy), **kw)
+    return out
+
+
+def _evaluate(
+    cfg: GPTConfig,
+    global_batch: int,
+    layout: Layout,
+    cluster: Cluster,
+    *,
+    optimizer: str = "adamw",
+    precision: str | None = None,
+    lower_bound: bool = False,
+    computing: float = 0.0,
+) -> dict:
     """The predicted step of `layout`: time, throughput, memory and their terms (see the module
     docstring). The layout's divisibility is the search's business; this prices what it is given.
 
@@ -146,7 +174,7 @@ def evaluate(
     # A rank's rate: its device's peak (or, on a CPU node, the matmul rate measured with as many
     # ranks computing at once) times the efficiency of a layer of this width.
     node_ranks = min(lo.devices, cluster.gpus_per_node)
-    rate = cluster.rank_flops(node_ranks) * cluster.efficiency_at(h, b * s)
+    rate = cluster.rank_flops(node_ranks, computing) * cluster.efficiency_at(h, b * s)
     coll = {"cluster": cluster, "world": node_ranks}
     links = axis_links(cluster, {"tp": lo.tp, "ep": lo.ep, "dp": lo.dp, "pp": lo.pp})
     tokens = b * s
@@ -293,6 +321,7 @@ def evaluate(
             "dp_exposed_s": dp_exposed,
             "optimizer_step_s": step_t,
             "params_per_device": psi,
+            "computing_ranks": computing or node_ranks,
             "model_state_bytes": state_bytes,
             "activation_bytes_per_microbatch": act_mb,
             "in_flight_microbatches": in_flight,
