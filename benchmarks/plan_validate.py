@@ -18,8 +18,8 @@ Four processes on two cores oversubscribe them: the calibration measures the mat
 gets when four compute at once, and the collectives in a world of four, so the prediction models
 that; nothing is fitted per layout.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/plan_validate.py [--steps 12] [--quick]
-        -> benchmarks/results/plan_validate.md, plan_validate.png, plan_validate.json
+    PYTHONPATH=. .venv/bin/python benchmarks/plan_validate.py [--steps 8] [--tag T] [--reprice]
+        -> benchmarks/results/plan_validate[_T].md, .png, .json, _cluster.toml (the calibration)
 """
 
 from __future__ import annotations
@@ -49,7 +49,11 @@ MODELS = {  # name: (overrides, global batch)
     "20m": ((("model.seq_len", "128"),), 4),
 }
 WARMUP = 2
-CLUSTER_COPY = RESULTS / "plan_validate_cluster.toml"
+STEM = ["plan_validate"]  # results/<STEM>.md, .png, .json, _cluster.toml (--tag adds to it)
+
+
+def out(ext: str) -> Path:
+    return RESULTS / f"{STEM[0]}{ext}"
 
 
 def _l(dp=1, tp=1, pp=1, z=0, sp=False, m=1, sched="none", v=1, rc=False, rows=16) -> Layout:
@@ -153,7 +157,10 @@ def main() -> int:
         help="no runs: price the measured layouts of results/plan_validate.json again with the current "
         "cost model on the calibration saved beside it (after a change to the model)",
     )
+    ap.add_argument("--tag", default="", help="results/plan_validate_TAG.* instead of plan_validate.*")
     args = ap.parse_args()
+    if args.tag:
+        STEM[0] = f"plan_validate_{args.tag}"
     if args.reprice:
         return reprice()
     info = machine_info()
@@ -161,7 +168,7 @@ def main() -> int:
     cluster = load_this(recalibrate=True)
     calib_s = time.time() - t0
     RESULTS.mkdir(exist_ok=True)
-    shutil.copy(cache_path(), CLUSTER_COPY)  # what the predictions rest on, for --reprice
+    shutil.copy(cache_path(), out("_cluster.toml"))  # what the predictions rest on, for --reprice
     rows_out, groups = [], {}
     with tempfile.TemporaryDirectory(prefix="plan-validate-") as tmp:
         for model in args.models.split(","):
@@ -207,8 +214,8 @@ def reprice() -> int:
     """Predictions of the saved runs again, from the current cost model and the saved calibration."""
     from plait.planner.cluster import load_cluster
 
-    saved = json.loads((RESULTS / "plan_validate.json").read_text())
-    cluster = load_cluster(str(CLUSTER_COPY))
+    saved = json.loads(out(".json").read_text())
+    cluster = load_cluster(str(out("_cluster.toml")))
     groups: dict = {}
     for r in saved["rows"]:
         base = base_config(r["model"], 10)
@@ -228,7 +235,8 @@ def _by_name(gpt, base, row, cluster) -> Layout:
     """The layout of a saved row that has only its name (results written before layout_fields)."""
     from plait.planner.search import enumerate_layouts
 
-    every = enumerate_layouts(gpt, base.train.global_batch, row["world"], cluster)
+    batch = base.train.global_batch
+    every = [*layouts(row["world"], batch), *enumerate_layouts(gpt, batch, row["world"], cluster)]
     return next(lay for lay in every if lay.name() == row["layout"])
 
 
@@ -258,7 +266,7 @@ def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> Non
         "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
         "runs": len(rows),
     }
-    (RESULTS / "plan_validate.json").write_text(
+    out(".json").write_text(
         json.dumps(
             {
                 "rows": rows,
@@ -272,7 +280,7 @@ def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> Non
             indent=1,
         )  # fmt: skip
     )
-    _plot(rows, RESULTS / "plan_validate.png")
+    _plot(rows, out(".png"))
     lines = [
         "# Planner: predicted vs measured step time on this machine",
         "",
@@ -281,8 +289,8 @@ def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> Non
         f"calibration {calib_s:.0f} s)."
         + (
             f" Predictions repriced by `{command_line()}` with the cost model of now on the same calibration "
-            "(plan_validate_cluster.toml) and the same measurements; the first run's predictions are in "
-            "plan_validate.json (`predicted_first_run_s`)."
+            f"({STEM[0]}_cluster.toml) and the same measurements; the first run's predictions are in "
+            f"{STEM[0]}.json (`predicted_first_run_s`)."
             if repriced
             else ""
         ),
@@ -350,10 +358,10 @@ def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> Non
             ],
         ),  # fmt: skip
         "",
-        "![predicted vs measured](plan_validate.png)",
+        f"![predicted vs measured]({STEM[0]}.png)",
         "",
     ]
-    (RESULTS / "plan_validate.md").write_text("\n".join(lines))
+    out(".md").write_text("\n".join(lines))
     print("\n".join(lines[lines.index("## Summary") :]))
 
 
