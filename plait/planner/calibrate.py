@@ -1,6 +1,7 @@
 """`plait plan --calibrate`: measure this machine and describe it as the cluster `this`.
 
-What is measured, in under a minute (docs/planner.md, "Calibration"):
+What is measured, in 30-90 s on this 2-core machine depending on its load (docs/planner.md,
+"Calibration"):
 
 * **Compute per rank.** A large fp32 matmul in every rank at once, each with the threads plait's
   launcher gives it (``cores // ranks``, at least 1), in worlds of 1, 2 and 4 processes: the
@@ -286,7 +287,7 @@ def calibrate(quiet: bool = False) -> dict:
 def _bus(op: str, payload: int, n: int) -> float:
     from plait.comm.ledger import bus_bytes
 
-    return bus_bytes("send" if op == "send" else op, payload, n)
+    return bus_bytes(op, payload, n)
 
 
 def _summary_link(collectives: list[dict]) -> dict:
@@ -324,11 +325,15 @@ def to_toml(fields: dict) -> str:
 
 def load_this(recalibrate: bool = False, quiet: bool = False):
     """The `this` cluster: the cache when it matches this machine, else measured (and cached)."""
+    from plait.errors import ConfigError
     from plait.planner.cluster import load_cluster, read_calibration_key
 
     path = cache_path()
     if not recalibrate and path.is_file() and read_calibration_key(path) == machine_key():
-        return load_cluster(str(path))
+        try:
+            return load_cluster(str(path))
+        except ConfigError:  # a damaged or hand-edited cache: measure again
+            pass
     if not quiet:
         why = "--calibrate" if recalibrate else ("stale cache" if path.is_file() else "no cache")
         sys.stderr.write(f"plait: calibrating this machine ({why}; about a minute), cached in {path}\n")
