@@ -323,6 +323,10 @@ def test_calibration_cache_round_trips_and_a_changed_key_measures_again(this_cac
     assert calibrate.load_this(quiet=True) == c and measured == [1]  # now cached
     calibrate.load_this(recalibrate=True, quiet=True)  # --calibrate measures whatever the cache
     assert measured == [1, 1]
+    broken = _fake_calibration()
+    broken["efficiency_curve"] = [[64, 0.2]]  # this machine's key, a field that does not load
+    calibrate.write_cache(broken)
+    assert calibrate.load_this(quiet=True) == c and measured == [1, 1, 1]
 
 
 def test_rank_rate_models_ranks_sharing_cores():
