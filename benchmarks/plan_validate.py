@@ -290,14 +290,14 @@ def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> Non
         + (
             f" Predictions repriced by `{command_line()}` with the cost model of now on the same calibration "
             f"({STEM[0]}_cluster.toml) and the same measurements; the first run's predictions are in "
-            f"{STEM[0]}.json (`predicted_first_run_s`)."
+            f"{STEM[0]}.json (`predicted_first_run_s`), and the column \"planner's pick\" is that run's."
             if repriced
             else ""
         ),
         "",
         "Machine: " + "; ".join(f"{k}: {v}" for k, v in info.items()),
         "",
-        f"Calibrated cluster `this` ({cache_path()}): one-thread fp32 matmul "
+        f"Calibrated cluster `this` (saved as {STEM[0]}_cluster.toml): one-thread fp32 matmul "
         f"{cluster.peak_tflops * 1e3:.1f} GFLOP/s; per rank with peers: "
         + ", ".join(f"{w} ranks {t * 1e3:.1f}" for w, t in cluster.rank_tflops)
         + " GFLOP/s; efficiency by d_model/tokens per micro-batch: "
