@@ -6,7 +6,8 @@ plait estimate (--params N | --model NAME) [--dp N] [--zero-stage S] ... [--json
 plait schedule --kind KIND --stages P --microbatches M [--virtual-stages V] [--costs F,B,W] [--comm C]
                [--out timeline.png] [--json]
 plait launch [--nproc N] SCRIPT.py [ARGS ...]
-plait plan [CONFIG] [--section.key value ...] --devices N [--cluster NAME|FILE] [--top K] [--json]
+plait plan [CONFIG] [--section.key value ...] --devices N [--cluster NAME|FILE|this] [--top K] [--json]
+plait plan --calibrate [--devices N ...]
 plait hogwild [--workers N] [--updates U] [--batch B] [--lock] [--optimizer adagrad|sgd] [--lr LR]
               [--features F] [--out DIR] [--json]
 """
@@ -90,8 +91,17 @@ def _train(argv: list[str]) -> int:
         # A resumed run goes to the end unless told otherwise: the interruption is not part of the config.
         overrides = [("train.stop_at", "0"), *overrides, ("train.run_dir", str(resume_dir))]
     cfg = load_config(config_path, overrides)
-    from plait.train.launch import launch
+    from plait.train.launch import _under_launcher, launch
 
+    if cfg.parallel.plan == "auto":
+        if _under_launcher():
+            raise ConfigError(
+                "parallel.plan = 'auto' under an outer launcher (torchrun): every rank would plan on "
+                "its own; choose the layout first (plait plan --cluster this --devices N) and pass its keys"
+            )
+        from plait.planner.auto import resolve_auto
+
+        cfg, _ = resolve_auto(cfg, out=sys.stdout)
     return launch(cfg, resume=resume_dir is not None, checkpoint=checkpoint)
 
 
@@ -378,7 +388,7 @@ MAX_TOP = 1000
 
 
 def _plan(argv: list[str]) -> int:
-    from plait.planner.cluster import PRESETS, load_cluster
+    from plait.planner.cluster import PRESET_NAMES, load_cluster
     from plait.planner.search import load_plan_config, plan, plan_summary
     from plait.train.config import MAX_SIZE, model_config, parse_overrides
 
@@ -393,11 +403,18 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument(
         "config", nargs="?", metavar="CONFIG", help="a TOML config (default: plait's defaults)"
     )
-    parser.add_argument("--devices", type=_int_in(1, MAX_SIZE), required=True, help="devices to plan for")
+    parser.add_argument("--devices", type=_int_in(1, MAX_SIZE), help="devices to plan for")
     parser.add_argument(
         "--cluster",
-        default="dgx-a100",
-        help=f"a preset ({', '.join(PRESETS)}) or a TOML file (default dgx-a100)",
+        default=None,
+        help=f"a preset ({', '.join(PRESET_NAMES)}; this = this machine, calibrated) or a TOML file "
+        "(default dgx-a100; this with --calibrate)",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine (matmul rate, efficiency, alpha-beta of each collective; under a "
+        "minute), cache it as the cluster `this` and print it; with --devices, then plan on it",
     )
     parser.add_argument(
         "--top", type=_int_in(1, MAX_TOP), default=10, help="feasible plans to show (default 10)"
@@ -415,7 +432,7 @@ def _plan(argv: list[str]) -> int:
             take = 1 if "=" in a else 2
             known += argv[i : i + take]
             i += take
-        elif a == "--json":
+        elif a in ("--json", "--calibrate"):
             known.append(a)
             i += 1
         elif not a.startswith("-") and (not rest or not rest[-1].startswith("--")) and not config:
@@ -425,8 +442,21 @@ def _plan(argv: list[str]) -> int:
             rest.append(a)
             i += 1
     args = parser.parse_args(config + known)
+    if args.calibrate:
+        from plait.planner.calibrate import cache_path, load_this
+
+        if args.cluster not in (None, "this"):
+            raise ConfigError(
+                f"--calibrate measures this machine (the cluster `this`), not --cluster {args.cluster}"
+            )
+        cluster = load_this(recalibrate=True)
+        print(format_cluster(cluster, cache_path()))
+        if args.devices is None:
+            return 0
+    if args.devices is None:
+        raise ConfigError("plait plan needs --devices N (the devices to plan for), or --calibrate alone")
     base = load_plan_config(args.config, parse_overrides(rest))
-    cluster = load_cluster(args.cluster)
+    cluster = load_cluster(args.cluster or ("this" if args.calibrate else "dgx-a100"))
     result = plan(base, model_config(base), base.train.global_batch, args.devices, cluster, top=args.top)
     plans = [plan_summary(r) for r in result["plans"]]
     if args.json:
@@ -443,7 +473,7 @@ def _plan(argv: list[str]) -> int:
         if not r["feasible"]:
             continue
         print(
-            f"{r['layout']:<48}{r['step_s']:>9.4g}{r['tflops_per_device']:>9.1f}{r['mfu']:>6.0%}"
+            f"{r['layout']:<48}{r['step_s']:>9.4g}{r['tflops_per_device']:>9.3g}{r['mfu']:>6.0%}"
             f"{r['memory_gb']:>8.3g}{r['bubble']:>8.1%}{r['comm_share']:>6.0%}"
         )
     bad = [r for r in plans if not r["feasible"]]
@@ -454,6 +484,23 @@ def _plan(argv: list[str]) -> int:
     if not any(r["feasible"] for r in plans):
         print("no feasible plan: every layout runs out of memory or is refused (above)")
     return 0
+
+
+def format_cluster(cluster, path) -> str:
+    """A calibrated cluster as `plait plan --calibrate` prints it."""
+    lines = [f"cluster `{cluster.name}` ({cluster.note}), cached in {path}"]
+    lines.append(
+        f"  {cluster.cores} cores, {cluster.memory_gb:.1f} GB; one-thread fp32 matmul "
+        f"{cluster.peak_tflops * 1e3:.1f} GFLOP/s; AdamW step {cluster.memory_bw_gbps:.2f} GB/s"
+    )
+    per = ", ".join(f"{w} ranks: {t * 1e3:.1f}" for w, t in cluster.rank_tflops)
+    lines.append(f"  matmul GFLOP/s per rank while all compute (launcher's threads): {per}")
+    curve = ", ".join(f"{h:g}/{t:g}: {e:.2f}" for h, t, e in cluster.efficiency_curve)
+    lines.append(f"  GPT efficiency (model FLOPs / one-thread matmul) by d_model/tokens: {curve}")
+    lines.append(f"  {'collective':<16}{'ranks':>6}{'of world':>9}{'alpha us':>10}{'beta GB/s':>11}")
+    for op, n, w, link in cluster.collectives:
+        lines.append(f"  {op:<16}{n:>6}{w:>9}{link.alpha_s * 1e6:>10.0f}{link.beta_bps / 1e9:>11.3f}")
+    return "\n".join(lines)
 
 
 def _float_in(lo: float, hi: float, lo_open: bool = False):

@@ -308,6 +308,7 @@ BAD = {
         dict(model__source="hf:bert"),
         r"model.source = 'hf:bert' is unknown; valid: plait, hf:gpt2",
     ),
+    "planned layout": (dict(parallel__plan="auto"), r"parallel.plan = 'auto' plans plait's own GPT"),
     "heads by tp": (
         dict(model__n_head=4, model__n_kv_head=4, parallel__tp=8, parallel__dp=1),
         "model.n_head = 4 is not divisible by parallel.tp = 8",

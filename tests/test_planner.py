@@ -236,3 +236,191 @@ def test_config_file_before_or_after_the_options(tmp_path, capsys):
         outs.append(json.loads(capsys.readouterr().out)["plans"][0])
     assert outs[0] == outs[1]
     assert outs[0]["dp"] * outs[0]["tp"] * outs[0]["pp"] == 4
+
+
+# --- calibration, the cluster `this`, plait train --parallel.plan auto ---------------------------
+
+
+def _fake_calibration(**key_changes) -> dict:
+    """The fields `plait plan --calibrate` writes, with made-up figures (nothing is measured)."""
+    from plait.planner.calibrate import machine_key
+
+    coll = [
+        {"op": op, "ranks": n, "world": w, "alpha_us": 200.0 * n, "beta_gbps": 1.0}
+        for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+        for n, w in ((2, 2), (2, 4), (4, 4))
+    ] + [{"op": "send", "ranks": 2, "world": w, "alpha_us": 100.0, "beta_gbps": 2.0} for w in (2, 4)]
+    return {
+        "name": "this",
+        "gpus_per_node": 1024,
+        "peak_tflops": 0.05,
+        "memory_gb": 16.0,
+        "efficiency": 0.5,
+        "memory_bw_gbps": 1.0,
+        "cores": 2,
+        "precision": "fp32",
+        "rank_tflops": [[1, 0.05], [2, 0.04], [4, 0.02]],
+        "efficiency_curve": [[64, 128, 0.2], [64, 1024, 0.3], [512, 128, 0.5], [512, 1024, 0.6]],
+        "note": "made up for a test",
+        "intra": {"alpha_us": 400.0, "beta_gbps": 1.0},
+        "inter": {"alpha_us": 400.0, "beta_gbps": 1.0},
+        "collective": coll,
+        "calibration": machine_key() | key_changes | {"date": "2026-01-01 00:00 UTC"},
+    }
+
+
+@pytest.fixture
+def this_cache(tmp_path, monkeypatch):
+    """A cached calibration of this machine in a private cache directory; measuring is an error."""
+    from plait.planner import calibrate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def no_measuring(quiet=False):
+        raise AssertionError("calibrate() ran: the cache should have been used")
+
+    monkeypatch.setattr(calibrate, "calibrate", no_measuring)
+    calibrate.write_cache(_fake_calibration())
+    return calibrate.cache_path()
+
+
+def test_alpha_beta_fit_recovers_known_alpha_and_beta():
+    from plait.planner.calibrate import fit_alpha_beta
+
+    alpha, beta = 150e-6, 2.5e9
+    sizes = [4096, 65536, 524288, 4 * 2**20, 16 * 2**20]
+    rng = random.Random(1)
+    exact = [alpha + n / beta for n in sizes]
+    a, b = fit_alpha_beta(sizes, exact)
+    assert a == pytest.approx(alpha, rel=1e-9) and b == pytest.approx(beta, rel=1e-9)
+    noisy = [t * (1 + rng.uniform(-0.01, 0.01)) for t in exact]
+    a, b = fit_alpha_beta(sizes, noisy)
+    assert b == pytest.approx(beta, rel=0.03) and a == pytest.approx(alpha, abs=60e-6)
+    # A series whose intercept would come out negative is refitted through the origin.
+    a, b = fit_alpha_beta([1000, 2000, 4000], [0.0, 1.5e-6, 4.5e-6])
+    assert a == 0.0 and b > 0
+
+
+def test_calibration_cache_round_trips_and_a_changed_key_measures_again(this_cache, monkeypatch):
+    from plait.planner import calibrate
+
+    c = calibrate.load_this()
+    assert c.name == "this" and c.cores == 2 and c.precision == "fp32"
+    assert c.rank_tflops == ((1, 0.05), (2, 0.04), (4, 0.02))
+    assert c.collective_link("all_reduce", 2, 4).alpha_s == pytest.approx(400e-6)
+    assert c.collective_link("send", 2, 3).beta_bps == pytest.approx(2e9)  # the nearest world
+    assert c.collective_link("all_reduce", 8, 8) is None
+    assert c.efficiency_at(64, 128) == pytest.approx(0.2) and c.efficiency_at(512, 1024) == pytest.approx(0.6)
+    assert c.efficiency_at(4096, 8192) == pytest.approx(0.6)  # flat beyond the grid
+    mid = c.efficiency_at(math.sqrt(64 * 512), 128)  # half way in log d_model
+    assert mid == pytest.approx(0.35)
+    # Another torch version (or host, CPU, core count): the cache no longer describes this machine.
+    calibrate.write_cache(_fake_calibration(torch="0.0.1"))
+    measured = []
+    monkeypatch.setattr(calibrate, "calibrate", lambda quiet=False: measured.append(1) or _fake_calibration())
+    again = calibrate.load_this(quiet=True)
+    assert measured == [1] and again == c
+    assert calibrate.load_this(quiet=True) == c and measured == [1]  # now cached
+    calibrate.load_this(recalibrate=True, quiet=True)  # --calibrate measures whatever the cache
+    assert measured == [1, 1]
+    broken = _fake_calibration()
+    broken["efficiency_curve"] = [[64, 0.2]]  # this machine's key, a field that does not load
+    calibrate.write_cache(broken)
+    assert calibrate.load_this(quiet=True) == c and measured == [1, 1, 1]
+
+
+def test_rank_rate_models_ranks_sharing_cores():
+    from plait.planner.cluster import Cluster, Link
+
+    link = Link(1e-4, 1e9)
+    c = Cluster("cpu", 1024, 0.05, 16.0, link, link, cores=2, rank_tflops=((1, 0.05), (2, 0.04), (4, 0.03)))
+    assert c.rank_flops(2) == pytest.approx(0.04e12)
+    assert c.rank_flops(3) == pytest.approx(0.10e12 / 3)  # the node's totals 0.08 and 0.12, interpolated
+    assert c.rank_flops(8) == pytest.approx(0.12e12 / 8)  # the cores are full: the node's total is shared
+    # Three of four ranks computing at a time share the node's total; two would get more than a
+    # rank's one thread reaches alone, so they get that.
+    assert c.rank_flops(4, computing=3) == pytest.approx(0.12e12 / 3)
+    assert c.rank_flops(4, computing=2) == pytest.approx(0.05e12)
+
+
+def test_cost_model_uses_measured_collectives_and_shares_a_cpu_node(this_cache):
+    c = load_cluster("this")
+    cfg = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128)
+    lay = Layout(dp=2, microbatch_size=8, microbatches=1)
+    got = evaluate(cfg, 16, lay, c)
+    psi = stage_params(cfg, lay)
+    # fp32 gradients, one bucket, the measured 2-of-2 all-reduce: alpha + bus bytes / beta, exposed on a CPU.
+    assert got["terms"]["dp_grad_s"] == pytest.approx(400e-6 + psi * 4 / 1e9, rel=1e-12)
+    assert got["terms"]["dp_exposed_s"] == got["terms"]["dp_grad_s"]
+    four = evaluate(cfg, 16, Layout(dp=4, microbatch_size=4, microbatches=1), c)
+    # Half the rows per rank, at the rate of 4 ranks on 2 cores (the node's total shared by the ranks
+    # computing at a time) and the efficiency of 512-token micro-batches instead of 1024.
+    rate2, rate4 = (c.rank_flops(n, r["terms"]["computing_ranks"]) for n, r in ((2, got), (4, four)))
+    assert 1 < four["terms"]["computing_ranks"] <= 4 and rate4 < rate2
+    ratio = 0.5 * (rate2 / rate4) * c.efficiency_at(128, 1024) / c.efficiency_at(128, 512)
+    assert four["terms"]["compute_s"] == pytest.approx(got["terms"]["compute_s"] * ratio, rel=1e-12)
+    # The fixed point: the ranks computing are the ranks x the share of the step spent computing.
+    busy = four["terms"]["compute_s"] / four["step_s"]
+    assert four["terms"]["computing_ranks"] == pytest.approx(4 * busy, rel=0.02)
+    assert four["memory_gb"] < c.memory_gb * 0.9 / 4
+
+
+def test_cluster_this_plans_from_the_cache(this_cache, capsys):
+    assert main(["plan", "--cluster", "this", "--devices", "4", "--model.name", "small", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans[0]["feasible"] and plans[0]["offload"] == "none"
+    assert all(r["dp"] * r["tp"] * r["pp"] * r["ep"] == 4 for r in plans)
+
+
+def test_plan_auto_resolves_to_a_layout_that_validate_accepts(this_cache):
+    from plait.planner.auto import resolve_auto
+    from plait.train.config import load_config
+
+    for extra, world in (
+        ([], 2),
+        ([("parallel.world", "4")], 4),
+        ([("parallel.world", "4"), ("parallel.tp", "2")], 4),
+    ):
+        cfg = load_config(None, [("parallel.plan", "auto"), *extra])
+        chosen, best = resolve_auto(cfg)
+        validate(chosen)  # raises if plait would refuse it
+        p = chosen.parallel
+        assert p.plan == "manual" and chosen.world_size == world and not chosen.train.bf16
+        assert best["feasible"] and best["dp"] == p.dp and best["tp"] == p.tp and best["pp"] == p.pp
+        if ("parallel.tp", "2") in extra:
+            assert p.tp == 2  # a layout key set explicitly is a constraint
+    # The pick is the planner's first plan for that world.
+    cfg = load_config(None, [("parallel.plan", "auto"), ("parallel.world", "4")])
+    ranked = plan(
+        load_plan_config(None, []), model_config(cfg), 16, 4, load_cluster("this"), top=1, bf16=False
+    )
+    assert ranked["plans"][0]["layout"] == resolve_auto(cfg)[1]["layout"]
+
+
+def test_plan_auto_refuses_an_impossible_world_and_bad_keys():
+    from plait.errors import ConfigError
+    from plait.train.config import load_config
+
+    with pytest.raises(ConfigError, match=r"parallel.world = 3: no layout .* with a layout: 1, 2, 4, 8"):
+        load_config(None, [("parallel.plan", "auto"), ("parallel.world", "3")])
+    with pytest.raises(ConfigError, match="parallel.plan = 'magic' is not valid; valid: manual, auto"):
+        load_config(None, [("parallel.plan", "magic")])
+    with pytest.raises(ConfigError, match="parallel.world = 4 but parallel.pp x dp x ep x tp = 2"):
+        load_config(None, [("parallel.world", "4")])
+    with pytest.raises(ConfigError, match="parallel.tp = 8"):  # a constraint no layout can keep
+        load_config(None, [("parallel.plan", "auto"), ("parallel.world", "8"), ("parallel.tp", "8")])
+
+
+def test_plait_train_with_plan_auto_runs_the_chosen_layout(this_cache, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["train", "--parallel.plan", "auto", "--model.name", "tiny", "--train.steps", "2"]
+    args += ["--train.sample_tokens", "0", "--train.eval_batches", "1", "--train.progress", "false"]
+    args += ["--train.run_dir", str(run)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("plait: parallel.plan auto:"))
+    import tomllib
+
+    saved = tomllib.loads((run / "config.toml").read_text())["parallel"]
+    assert saved["plan"] == "manual" and saved["dp"] * saved["tp"] * saved["pp"] == 2
+    assert f"dp{saved['dp']}-tp{saved['tp']}-pp{saved['pp']}" in line

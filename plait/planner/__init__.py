@@ -2,7 +2,9 @@
 plait's own formulas (Narayanan et al. 2021 for FLOPs and tensor/pipeline communication).
 
 cluster.py (devices and links), cost.py (one layout's time and memory), stages.py (Alpa's
-inter-operator DP; the pipeline through plait's simulator), search.py (enumerate, prune, rank).
+inter-operator DP; the pipeline through plait's simulator), search.py (enumerate, prune, rank),
+calibrate.py (`plait plan --calibrate`: this machine measured as the cluster `this`), auto.py
+(`plait train --parallel.plan auto`).
 """
 
 from plait.planner.cluster import PRESETS, Cluster, Link, load_cluster

@@ -30,6 +30,7 @@ A TOML file with the same fields describes any other cluster::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import tomllib
 from pathlib import Path
@@ -75,14 +76,81 @@ class Cluster:
     host_adam_params_per_s: float = 1e9
     """Parameters per second the host's optimizer step updates for one device (offload)."""
     note: str = ""
+    precision: str = "bf16"
+    """The dtype plans train in: bf16 on accelerators; fp32 on a CPU (`this`), where bf16 matmuls
+    are slow."""
+    cores: int = 0
+    """CPU cores per node that the node's ranks share (0: every device computes on its own). The
+    node's memory is shared too: ``memory_gb`` is the node's, split over its ranks."""
+    rank_tflops: tuple[tuple[int, float], ...] = ()
+    """Measured (ranks on the node, matmul TFLOP/s each rank gets while all compute, with the
+    launcher's threads per rank); empty: ``peak_tflops`` per device."""
+    efficiency_curve: tuple[tuple[float, float, float], ...] = ()
+    """Measured (d_model, tokens per micro-batch, efficiency) points on a grid, interpolated in
+    log d_model and log tokens and held flat beyond the ends; empty: ``efficiency`` throughout."""
+    collectives: tuple[tuple[str, int, int, Link], ...] = ()
+    """Measured (op, ranks, ranks on the node, α-β of the whole collective over its bus bytes):
+    used instead of the link class where they cover the op."""
 
     @property
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
 
+    def efficiency_at(self, d_model: float, tokens: float = 0) -> float:
+        """The compute efficiency of a GPT of this width on micro-batches of `tokens` tokens (the
+        measured grid, or the one figure)."""
+        if not self.efficiency_curve:
+            return self.efficiency
+        widths = sorted({h for h, _, _ in self.efficiency_curve})
+        grid = {(h, t): e for h, t, e in self.efficiency_curve}
+
+        def along(h: float) -> float:
+            pts = sorted((t, e) for (hh, t), e in grid.items() if hh == h)
+            return _log_interp([t for t, _ in pts], [e for _, e in pts], tokens or pts[-1][0])
+
+        return _log_interp(widths, [along(h) for h in widths], d_model)
+
+    def rank_flops(self, ranks: int, computing: float = 0.0) -> float:
+        """Matmul FLOP/s one of ``ranks`` devices of a node gets. Measured worlds are used as they
+        are; between them the node's total (ranks x per-rank) is interpolated, and beyond the
+        largest it stays at that world's total (the cores are full). ``computing``: the ranks
+        computing at a time, on average (default all): the node's total is shared by them, up
+        to what a rank's own threads reach alone (the one-thread peak per thread)."""
+        pts = sorted(self.rank_tflops)
+        if not pts:
+            return self.peak_flops
+        ranks = min(ranks, self.gpus_per_node)
+        total = [(w, w * t * 1e12) for w, t in pts]
+        node = total[-1][1]
+        if ranks <= total[0][0]:
+            node = total[0][1] * ranks / total[0][0]
+        for (w0, a0), (w1, a1) in itertools.pairwise(total):
+            if w0 < ranks <= w1:
+                node = a0 + (ranks - w0) / (w1 - w0) * (a1 - a0)
+                break
+        active = min(max(computing or ranks, 1.0), ranks)
+        threads = max(1, self.cores // ranks) if self.cores else 1
+        return min(node / active, max(node / ranks, self.peak_flops * threads))
+
+    def collective_link(self, op: str, ranks: int, world: int) -> Link | None:
+        """The measured α-β of `op` over `ranks` ranks while `world` ranks share the node: the
+        measurement with the same op and ranks and the nearest world, else None."""
+        same = [(abs(w - world), link) for o, n, w, link in self.collectives if o == op and n == ranks]
+        return min(same, key=lambda x: x[0])[1] if same else None
+
     def link_for(self, span: int) -> Link:
         """The link of a group whose ranks span ``span`` consecutive global ranks."""
         return self.intra if span <= self.gpus_per_node else self.inter
+
+
+def _log_interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear in log x through sorted (xs, ys), flat beyond the ends."""
+    if x <= xs[0]:
+        return ys[0]
+    for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:], strict=False):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return ys[-1]
 
 
 def axis_links(cluster: Cluster, sizes: dict[str, int]) -> dict[str, Link]:
@@ -129,6 +197,9 @@ PRESETS = {
 
 _LIMITS = {  # field: (lowest, highest) accepted from a file
     "gpus_per_node": (1, 1024),
+    "cores": (1, 2**16),
+    "ranks": (2, 1024),
+    "world": (1, 1024),
     "peak_tflops": (1e-6, 1e6),
     "memory_gb": (1e-3, 1e5),
     "efficiency": (1e-3, 1.0),
@@ -164,24 +235,88 @@ def _link(where: str, table) -> Link:
     )
 
 
-def load_cluster(spec: str) -> Cluster:
-    """A preset by name, or a TOML file with the fields of the module docstring."""
-    if spec in PRESETS:
-        return PRESETS[spec]
+PRESET_NAMES = (*PRESETS, "this")
+"""Every name `--cluster` takes: the presets, and `this` (this machine, calibrated)."""
+PRECISIONS = ("bf16", "fp32")
+COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
+
+
+def _read_toml(spec: str) -> dict:
     path = Path(spec)
     if not path.is_file():
         raise ConfigError(
-            f"--cluster {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a TOML file that exists"
+            f"--cluster {spec!r} is neither a preset ({', '.join(PRESET_NAMES)}) nor a TOML file that exists"
         )
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cluster file {spec!r} is not valid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"cluster file {spec!r} cannot be read ({exc.strerror or exc})") from None
+
+
+def read_calibration_key(path) -> dict | None:
+    """The ``[calibration]`` table of a cluster file (what it was measured on), or None."""
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    table = data.get("calibration")
+    if not isinstance(table, dict):
+        return None
+    return {k: v for k, v in table.items() if k != "date"}
+
+
+def _tuples(where: str, key: str, value, names: tuple[str, ...]) -> tuple:
+    n = len(names)
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(p, list) and len(p) == n for p in value)
+    ):
+        raise ConfigError(f"{where}: {key} must be a list of [{', '.join(names)}] lists")
+    out = []
+    for item in value:
+        for x in item:
+            if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
+                raise ConfigError(f"{where}: {key} holds {x!r}; expected positive numbers")
+        out.append((int(item[0]) if key == "rank_tflops" else float(item[0]), *map(float, item[1:])))
+    return tuple(out)
+
+
+def _collectives(where: str, items) -> tuple:
+    if not isinstance(items, list):
+        raise ConfigError(f"{where}: [[collective]] must be an array of tables")
+    out = []
+    for item in items:
+        fields = {"op", "ranks", "world", "alpha_us", "beta_gbps"}
+        if not isinstance(item, dict) or set(item) != fields:
+            raise ConfigError(f"{where}: each [[collective]] needs exactly {', '.join(sorted(fields))}")
+        if item["op"] not in COLLECTIVE_OPS:
+            raise ConfigError(
+                f"{where}: [[collective]] op = {item['op']!r}; valid: {', '.join(COLLECTIVE_OPS)}"
+            )
+        n, w = (_number(where, k, item[k], integer=True) for k in ("ranks", "world"))
+        link = _link(where, {"alpha_us": item["alpha_us"], "beta_gbps": item["beta_gbps"]})
+        out.append((item["op"], n, w, link))
+    return tuple(out)
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A preset by name, `this` (this machine: `plait.planner.calibrate`), or a TOML file with the
+    fields of the module docstring."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if spec == "this":
+        from plait.planner.calibrate import load_this
+
+        return load_this()
+    data = _read_toml(spec)
+    path = Path(spec)
     required = {"gpus_per_node", "peak_tflops", "memory_gb", "intra", "inter"}
     optional = {"efficiency", "usable_memory", "memory_bw_gbps", "pcie_gbps", "host_adam_params_per_s"}
-    known = required | optional | {"name", "note"}
+    measured = {"precision", "cores", "rank_tflops", "efficiency_curve", "collective", "calibration"}
+    known = required | optional | measured | {"name", "note"}
     if missing := required - set(data):
         raise ConfigError(f"cluster file {spec!r} lacks {', '.join(sorted(missing))}")
     if unknown := set(data) - known:
@@ -190,6 +325,20 @@ def load_cluster(spec: str) -> Cluster:
             f"valid: {', '.join(sorted(known))}"
         )
     where = f"cluster file {spec!r}"
+    precision = data.get("precision", "bf16")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"{where}: precision = {precision!r}; valid: {', '.join(PRECISIONS)}")
+    extra = {"precision": precision}
+    if "cores" in data:
+        extra["cores"] = _number(where, "cores", data["cores"], integer=True)
+    tables = {"rank_tflops": ("ranks", "TFLOP/s"), "efficiency_curve": ("d_model", "tokens", "efficiency")}
+    for key, names in tables.items():
+        if key in data:
+            extra[key] = _tuples(where, key, data[key], names)
+    if any(e > 1 for *_, e in extra.get("efficiency_curve", ())):
+        raise ConfigError(f"{where}: efficiency_curve efficiencies must be at most 1")
+    if "collective" in data:
+        extra["collectives"] = _collectives(where, data["collective"])
     return Cluster(
         name=str(data.get("name", path.stem)),
         gpus_per_node=_number(where, "gpus_per_node", data["gpus_per_node"], integer=True),
@@ -199,4 +348,5 @@ def load_cluster(spec: str) -> Cluster:
         inter=_link(f"{where} [inter]", data["inter"]),
         **{k: _number(where, k, data[k]) for k in optional if k in data},
         note=str(data.get("note", "")),
+        **extra,
     )

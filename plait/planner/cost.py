@@ -13,7 +13,8 @@ Every term reuses the piece of plait that already states it (docs/planner.md has
   dp's gradient all-reduce / ZeRO's reduce-scatter and all-gather;
 * overlap where plait overlaps: the dp gradient reduction with the backward of the step's last
   micro-batch (plait's bucketed `GradSync`), ZeRO-3's gathers with compute; tp, ep and ZeRO-1/2's
-  parameter all-gather after the step are exposed;
+  parameter all-gather after the step are exposed; on a CPU node (``cluster.cores``) nothing
+  hides: gloo reduces and copies on the cores that compute;
 * the pipeline — plait's own simulator on the schedule plait runs (`plait.planner.stages`);
 * memory — `plait.zero.estimate`'s model states and activations (Korthikanti et al. 2022) times
   the micro-batches the simulator finds in flight, plus the fp32 logits.
@@ -81,10 +82,15 @@ class Layout:
         return "-".join(parts)
 
 
-def _ring_time(link, op: str, payload: float, n: int, messages: int = 1) -> float:
-    """α-β time of one collective: the ledger's bus bytes over β, α per ring step."""
+def _ring_time(link, op: str, payload: float, n: int, messages: int = 1, cluster=None, world=0) -> float:
+    """α-β time of one collective: the ledger's bus bytes over β, α per ring step; or, where the
+    cluster has measured this op over n ranks (`plait plan --calibrate`), α per collective and
+    the measured β over the same bus bytes."""
     if n <= 1 or payload <= 0:
         return 0.0
+    measured = cluster.collective_link(op, n, world) if cluster is not None else None
+    if measured is not None:
+        return messages * measured.alpha_s + bus_bytes(op, payload, n) / measured.beta_bps
     steps = 2 * (n - 1) if op == "all_reduce" else (n - 1)
     return messages * steps * link.alpha_s + bus_bytes(op, payload, n) / link.beta_bps
 
@@ -117,15 +123,46 @@ def evaluate(
     cluster: Cluster,
     *,
     optimizer: str = "adamw",
-    precision: str = "bf16",
+    precision: str | None = None,
     lower_bound: bool = False,
+) -> dict:
+    """The predicted step of `layout` (see `_evaluate`). On a CPU node (``cluster.cores``) the
+    ranks share the cores: a rank waiting (in a pipeline's bubble, in a collective) leaves them
+    to the others, so the compute rate follows the ranks computing on average, found by a fixed
+    point from all of them computing (three rounds); a lower bound takes one computing rank."""
+    kw = {"optimizer": optimizer, "precision": precision, "lower_bound": lower_bound}
+    node_ranks = min(layout.devices, cluster.gpus_per_node)
+    if not cluster.cores or node_ranks == 1:
+        return _evaluate(cfg, global_batch, layout, cluster, **kw)
+    if lower_bound:
+        return _evaluate(cfg, global_batch, layout, cluster, computing=1.0, **kw)
+    out = _evaluate(cfg, global_batch, layout, cluster, computing=float(node_ranks), **kw)
+    for _ in range(3):
+        busy = min(1.0, out["terms"]["compute_s"] / out["step_s"])
+        out = _evaluate(cfg, global_batch, layout, cluster, computing=max(1.0, node_ranks * busy), **kw)
+    return out
+
+
+def _evaluate(
+    cfg: GPTConfig,
+    global_batch: int,
+    layout: Layout,
+    cluster: Cluster,
+    *,
+    optimizer: str = "adamw",
+    precision: str | None = None,
+    lower_bound: bool = False,
+    computing: float = 0.0,
 ) -> dict:
     """The predicted step of `layout`: time, throughput, memory and their terms (see the module
     docstring). The layout's divisibility is the search's business; this prices what it is given.
 
     ``lower_bound=True`` skips the pipeline simulation: no bubble, one micro-batch in flight, so
-    time and memory are lower bounds of the full evaluation (the search's pruning uses them)."""
+    time and memory are lower bounds of the full evaluation (the search's pruning uses them).
+    ``precision`` defaults to the cluster's (bf16 on accelerators, fp32 on `this`)."""
     lo = layout
+    precision = precision or cluster.precision
+    act_bytes = 4 if precision == "fp32" else ACT_BYTES
     b, m, s, h, L, V = (
         lo.microbatch_size,
         lo.microbatches,
@@ -134,7 +171,11 @@ def evaluate(
         cfg.n_layer,
         cfg.vocab_size,
     )
-    rate = cluster.peak_flops * cluster.efficiency
+    # A rank's rate: its device's peak (or, on a CPU node, the matmul rate measured with as many
+    # ranks computing at once) times the efficiency of a layer of this width.
+    node_ranks = min(lo.devices, cluster.gpus_per_node)
+    rate = cluster.rank_flops(node_ranks, computing) * cluster.efficiency_at(h, b * s)
+    coll = {"cluster": cluster, "world": node_ranks}
     links = axis_links(cluster, {"tp": lo.tp, "ep": lo.ep, "dp": lo.dp, "pp": lo.pp})
     tokens = b * s
 
@@ -153,17 +194,21 @@ def evaluate(
 
     # Tensor parallel: 2 all-reduces forward, 2 backward per block (Megatron's f and g), 2 more
     # when recomputation replays the forward; SP's all-gather + reduce-scatter moves the same bytes.
-    act = tokens * h * ACT_BYTES
-    tp_ar = _ring_time(links["tp"], "all_reduce", act, lo.tp)
+    act = tokens * h * act_bytes
+    tp_ar = _ring_time(links["tp"], "all_reduce", act, lo.tp, **coll)
     tp_f, tp_b = 2 * k * tp_ar, (4 if lo.recompute else 2) * k * tp_ar
     # Expert parallel: dispatch and combine all-to-alls of top_k copies of each token, per MoE block.
     moe_k = cfg.n_moe_layers * k / L
-    ep_a2a = _ring_time(links["ep"], "all_to_all", act * max(cfg.top_k, 1), lo.ep) if cfg.experts else 0.0
+    ep_a2a = (
+        _ring_time(links["ep"], "all_to_all", act * max(cfg.top_k, 1), lo.ep, **coll) if cfg.experts else 0.0
+    )
     ep_f, ep_b = 2 * moe_k * ep_a2a, 2 * moe_k * ep_a2a
     comm_f, comm_b = tp_f + ep_f, tp_b + ep_b
 
     # The pipeline, or the accumulation loop.
-    p2p = links["pp"].time(act / (lo.tp if lo.sequence_parallel else 1)) if lo.pp > 1 else 0.0
+    p2p_bytes = act / (lo.tp if lo.sequence_parallel else 1)
+    p2p_link = cluster.collective_link("send", 2, node_ranks) or links["pp"]
+    p2p = p2p_link.time(p2p_bytes) if lo.pp > 1 else 0.0
     if lo.pp > 1 and lower_bound:
         body = m * (f + b_ + w_ + comm_f + comm_b + head_f + head_b)
         bubble, in_flight, p2p_exposed = 0.0, 1.0, 0.0
@@ -184,23 +229,30 @@ def evaluate(
     shard = lo.hybrid_shard or n_data
     link_d = links["dp"] if lo.dp > 1 else links["ep"]
     buckets = max(1, math.ceil(psi * g_bytes / BUCKET_BYTES))
+    if lo.zero_stage == 3:  # one unit per block and the root (plait.zero.shard): a message each
+        buckets = k + 1
     if lo.zero_stage == 0:
-        grad_t = _ring_time(link_d, "all_reduce", psi * g_bytes, n_data, buckets)
+        grad_t = _ring_time(link_d, "all_reduce", psi * g_bytes, n_data, buckets, **coll)
         gather_t = 0.0
     else:
         shard_link = (
             axis_links(cluster, {"tp": lo.tp, "ep": lo.ep, "dp": shard})["dp"] if lo.hybrid_shard else link_d
         )
-        grad_t = _ring_time(shard_link, "reduce_scatter", psi * g_bytes, shard, buckets)
+        grad_t = _ring_time(shard_link, "reduce_scatter", psi * g_bytes, shard, buckets, **coll)
         if lo.hybrid_shard and n_data > shard:  # the shards' all-reduce across the replicas
-            grad_t += _ring_time(link_d, "all_reduce", psi * g_bytes / shard, n_data // shard, buckets)
-        gather_t = _ring_time(shard_link, "all_gather", psi * p_bytes, shard, buckets)
+            grad_t += _ring_time(
+                link_d, "all_reduce", psi * g_bytes / shard, n_data // shard, buckets, **coll
+            )
+        gather_t = _ring_time(shard_link, "all_gather", psi * p_bytes, shard, buckets, **coll)
     last_backward = b_ + w_ + head_b
     last_bucket = grad_t / buckets
     dp_exposed = max(grad_t - last_backward, last_bucket) if grad_t else 0.0
+    if cluster.cores:  # a CPU's ranks reduce and copy on the cores that compute: nothing hides
+        dp_exposed = grad_t
     if lo.zero_stage == 3:  # gathered again for every micro-batch's forward and backward
         gathers = 2 * m * gather_t
-        dp_exposed += max(gathers - m * (f + b_ + w_), gather_t / max(k, 1))
+        hidden = 0.0 if cluster.cores else m * (f + b_ + w_)
+        dp_exposed += max(gathers - hidden, gather_t / max(k, 1))
     else:
         dp_exposed += gather_t  # ZeRO-1/2: the updated parameters, gathered after the step
 
@@ -242,6 +294,8 @@ def evaluate(
     act_total = round(act_mb * in_flight) + working + logits
     memory = state_bytes + act_total
     usable = cluster.memory_gb * cluster.usable_memory * GB
+    if cluster.cores:  # a CPU node's memory is shared by its ranks
+        usable /= node_ranks
 
     hw_flops = gpt_train_flops_per_token(cfg, recompute=lo.recompute) * global_batch * s
     comm_s = m * (comm_f + comm_b) + p2p_exposed + dp_exposed
@@ -267,6 +321,7 @@ def evaluate(
             "dp_exposed_s": dp_exposed,
             "optimizer_step_s": step_t,
             "params_per_device": psi,
+            "computing_ranks": computing or node_ranks,
             "model_state_bytes": state_bytes,
             "activation_bytes_per_microbatch": act_mb,
             "in_flight_microbatches": in_flight,

@@ -56,6 +56,7 @@ def enumerate_layouts(
 ):
     """Every layout the search considers for `devices` devices (a generator of `Layout`)."""
     L = cfg.n_layer
+    offloads = ("none",) if cluster.cores else ("none", "cpu")  # on a CPU the host is the device
     for tp in _pow2_upto(min(cluster.gpus_per_node, devices)):
         if devices % tp or cfg.n_head % tp or cfg.ff_dim % tp:
             continue
@@ -83,7 +84,7 @@ def enumerate_layouts(
                                 for rc in (False, True):
                                     if rc and tp > 1 and dropout > 0:
                                         continue  # plait refuses tp + dropout + recomputation
-                                    for off in ("none", "cpu") if zero and pp == 1 else ("none",):
+                                    for off in offloads if zero and pp == 1 else ("none",):
                                         yield Layout(
                                             dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero, hybrid_shard=hs,
                                             sequence_parallel=sp, microbatch_size=b, microbatches=m,
@@ -106,8 +107,9 @@ def _schedules(pp: int, m: int, L: int):
         yield kind, v
 
 
-def layout_config(base, layout: Layout):
-    """The plait `Config` that runs `layout`: `base` with the parallel keys set (bf16 on)."""
+def layout_config(base, layout: Layout, bf16: bool = True):
+    """The plait `Config` that runs `layout`: `base` with the parallel keys set, and bf16 on or off
+    (the cluster's precision: bf16 on accelerators, fp32 on a CPU)."""
     cfg = copy.deepcopy(base)
     p = cfg.parallel
     p.dp, p.tp, p.pp, p.ep = layout.dp, layout.tp, layout.pp, layout.ep
@@ -127,7 +129,8 @@ def layout_config(base, layout: Layout):
         p.microbatches, p.virtual_stages = 0, 0
         cfg.train.micro_batches = layout.microbatches
     cfg.train.activation_checkpointing = layout.recompute
-    cfg.train.bf16 = True
+    cfg.train.bf16 = bf16
+    p.plan, p.world = "manual", 0  # the layout is chosen
     cfg.offload.optimizer = layout.offload
     return cfg
 
@@ -160,12 +163,12 @@ def load_plan_config(path=None, overrides=()):
     return cfg
 
 
-def check_runnable(base, layout: Layout) -> str:
+def check_runnable(base, layout: Layout, bf16: bool = True) -> str:
     """'' if plait's own config validation accepts `layout` on `base`, else its message."""
     from plait.train.config import validate
 
     try:
-        validate(layout_config(base, layout), data=False)
+        validate(layout_config(base, layout, bf16), data=False)
     except ConfigError as exc:
         return f"not runnable: {exc}"
     return ""
@@ -180,12 +183,19 @@ def plan(
     top: int = 10,
     optimizer: str = "adamw",
     infeasible: int = 5,
+    bf16: bool | None = None,
+    allowed=None,
 ) -> dict:
     """Rank the layouts of `cfg` on `devices` devices of `cluster`: ``{"plans": [...], ...}``, the
     `top` fastest feasible plans first (each validated by plait's config rules when `base`, a
-    plait Config, is given), then up to `infeasible` rejected ones with their reasons."""
+    plait Config, is given), then up to `infeasible` rejected ones with their reasons. ``bf16``:
+    the plans' precision (default the cluster's); ``allowed``: a filter of the layouts considered."""
     dropout = base.model.dropout if base is not None else 0.0
+    bf16 = cluster.precision == "bf16" if bf16 is None else bf16
+    precision = "bf16" if bf16 else "fp32"
     candidates = list(enumerate_layouts(cfg, global_batch, devices, cluster, dropout))
+    if allowed is not None:
+        candidates = [c for c in candidates if allowed(c)]
     if not candidates:
         raise ConfigError(
             f"no layout of this model fits {devices} devices with train.global_batch = {global_batch}: "
@@ -195,7 +205,9 @@ def plan(
     bounds = []
     rejected = []
     for lay in candidates:
-        lb = evaluate(cfg, global_batch, lay, cluster, optimizer=optimizer, lower_bound=True)
+        lb = evaluate(
+            cfg, global_batch, lay, cluster, optimizer=optimizer, precision=precision, lower_bound=True
+        )
         if lb["feasible"]:
             bounds.append((lb["step_s"], lay))
         else:
@@ -211,23 +223,25 @@ def plan(
     while True:
         best: list[dict] = []
         for lb_step, lay in bounds:
-            if len(best) >= top and lb_step >= best[-1]["step_s"]:
+            if len(best) >= top and _sig4(lb_step) > _sig4(best[-1]["step_s"]):
                 break
             if lay in refused:
                 continue
             if lay not in priced:
-                priced[lay] = evaluate(cfg, global_batch, lay, cluster, optimizer=optimizer)
+                priced[lay] = evaluate(
+                    cfg, global_batch, lay, cluster, optimizer=optimizer, precision=precision
+                )
                 if not priced[lay]["feasible"]:
                     rejected.append(priced[lay])
             result = priced[lay]
-            if result["feasible"] and (len(best) < top or result["step_s"] < best[-1]["step_s"]):
+            if result["feasible"] and (len(best) < top or _rank_key(result) < _rank_key(best[-1])):
                 best.append(result)
-                best.sort(key=lambda r: r["step_s"])
+                best.sort(key=_rank_key)
                 del best[top:]
         fresh = False
         for r in best:
             lay = next(k for k, v in priced.items() if v is r)
-            reason = check_runnable(base, lay) if base is not None else ""
+            reason = check_runnable(base, lay, bf16) if base is not None else ""
             if reason:
                 r["feasible"], r["reason"] = False, reason
                 refused.add(lay)
@@ -252,6 +266,16 @@ def plan(
         "rejected": len(rejected),
         "pruning": PRUNING,
     }
+
+
+def _rank_key(r: dict):
+    """Fastest first; among plans equal to 4 digits, fewer micro-batches (larger GEMMs, fewer
+    passes: what the model does not price) and less memory."""
+    return (_sig4(r["step_s"]), r["microbatches"], r["memory_gb"])
+
+
+def _sig4(x: float) -> float:
+    return float(f"{x:.4g}")
 
 
 def plan_summary(result: dict) -> dict:

@@ -165,6 +165,12 @@ class ParallelConfig:
     hybrid_shard: int = _f(
         0, "shard within groups of this many dp ranks and replicate across groups (0 = shard over all dp)"
     )
+    plan: str = _f(
+        "manual",
+        "manual (the keys above) or auto: plait plan chooses the layout of parallel.world processes on "
+        "this machine (calibrated); layout keys set to other than their default are kept as constraints",
+    )
+    world: int = _f(0, "parallel.plan = auto: processes to run (0 = pp x dp x ep x tp as configured)")
 
 
 @dataclasses.dataclass
@@ -411,6 +417,7 @@ def config_from_dict(data: dict, check_data: bool = True) -> Config:
 
 
 COMM_TARGETS = ("gradient", "momentum")
+PLANS = ("manual", "auto")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -442,7 +449,7 @@ _BOUNDS = {
         ("model.n_layer", "model.n_head", "model.d_model", "model.d_ff", "model.seq_len", "model.experts")
         + ("model.vocab_size", "model.n_kv_head")
         + ("model.moe_every", "parallel.dp", "parallel.tp", "parallel.pp", "parallel.ep")
-        + ("parallel.microbatches", "parallel.virtual_stages", "parallel.hybrid_shard")
+        + ("parallel.microbatches", "parallel.virtual_stages", "parallel.hybrid_shard", "parallel.world")
         + ("train.global_batch", "train.micro_batches", "train.eval_batches", "comm.powersgd_rank")
         + ("ps.servers", "ps.staleness"),
         (MAX_SIZE, "2**20"),
@@ -481,6 +488,25 @@ def validate(cfg: Config, data: bool = True) -> None:
     t, p = cfg.train, cfg.parallel
     for name in ("dp", "tp", "pp", "ep"):
         _require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    _require(p.plan in PLANS, f"parallel.plan = {p.plan!r} is not valid; valid: {', '.join(PLANS)}")
+    _require(p.world >= 0, f"parallel.world must be >= 0 (0 = pp x dp x ep x tp), got {p.world}")
+    if p.plan == "auto":
+        _require(
+            cfg.model.source == "plait",
+            f"parallel.plan = 'auto' plans plait's own GPT (the cost model's FLOPs and memory are its "
+            f"formulas), not model.source = {cfg.model.source!r}: set the layout by hand (parallel.dp, "
+            "tp, pp, zero_stage) or use plait plan on an equivalent GPT",
+        )
+        from plait.planner.auto import check_auto
+
+        check_auto(cfg, data=data)  # the layout is the planner's: checked over its candidates
+        return
+    _require(
+        p.world in (0, cfg.world_size),
+        f"parallel.world = {p.world} but parallel.pp x dp x ep x tp = {cfg.world_size}: with "
+        "parallel.plan = 'manual' the degrees give the world; set parallel.world = 0 (or "
+        f"{cfg.world_size}), or parallel.plan = 'auto' to have the layout chosen",
+    )
     python = cfg.model.source.startswith("python:")  # validate_source checked the spec's form
     if not python:  # a python: source refuses these features of plait's GPT itself
         _validate_ps(cfg)
