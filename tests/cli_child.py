@@ -1,0 +1,21 @@
+"""The entry point of a `plait` command that `tests/conftest.py::run_cli` starts: a process forked
+from a server that imported torch and plait once, which then is the `plait` command (the console
+script's `plait.cli:main`) with the caller's arguments, environment, working directory and its own
+stdout and stderr files. Kept out of conftest so that a child imports nothing of pytest."""
+
+import os
+import sys
+
+
+def cli_child(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):  # the C level too (torch's warnings, a rank's output)
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv = ["plait", *argv]
+    from plait.cli import main
+
+    sys.exit(main(argv))
