@@ -3,6 +3,7 @@ from a server that imported torch and plait once, which then is the `plait` comm
 script's `plait.cli:main`) with the caller's arguments, environment, working directory and its own
 stdout and stderr files. Kept out of conftest so that a child imports nothing of pytest."""
 
+import atexit
 import os
 import sys
 
@@ -18,4 +19,8 @@ def cli_child(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str
     sys.argv = ["plait", *argv]
     from plait.cli import main
 
-    sys.exit(main(argv))
+    try:
+        code = main(argv)
+    finally:
+        atexit._run_exitfuncs()  # as an interpreter's exit would (a multiprocessing child skips them)
+    sys.exit(code)
