@@ -6,6 +6,7 @@ stdout and stderr files. Kept out of conftest so that a child imports nothing of
 import atexit
 import os
 import sys
+from multiprocessing import resource_tracker
 
 
 def cli_child(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
@@ -17,6 +18,12 @@ def cli_child(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str
         os.dup2(f, fd)
         os.close(f)
     sys.argv = ["plait", *argv]
+    # A fresh interpreter has no resource tracker yet; a forked child shares the test process's,
+    # which would then report the semaphores a failed or killed launch leaves at the session's end.
+    tracker = resource_tracker._resource_tracker
+    if tracker._fd is not None:
+        os.close(tracker._fd)
+    tracker._fd = tracker._pid = None
     from plait.cli import main
 
     try:
