@@ -9,12 +9,20 @@ norm before clipping. The gradient norm is what sees a gradient of the wrong sca
 """
 
 import functools
+import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 from plait.train.metrics import read_metrics
 
@@ -52,13 +60,7 @@ SGD = ["--optim.name", "sgd", "--train.grad_clip", "0", "--train.lr", "0.5", "--
 
 
 def plait_train(*args, env=None, timeout=180):
-    return subprocess.run(
-        [sys.executable, "-m", "plait.cli", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+    return run_cli("train", *args, env=env, timeout=timeout)
 
 
 def side_by_side(jobs: dict[str, Callable], lanes: int = 2) -> dict:
@@ -105,3 +107,159 @@ def assert_runs_match(got: Path, want: Path, steps=None, rtol: float = 1e-5, wha
             x, y = a[step][key], b[step][key]
             ratio = x / y if y else float("nan")
             assert abs(x - y) <= rtol * abs(y), f"{what} step {step} {key}: {x!r} vs {y!r} (x{ratio:.6g})"
+
+
+# ==== Fewer and cheaper `plait train` launches for the same checks ===========================
+# (docs/testing.md, "Keeping the suite fast". Other helpers above this line; this section is one
+# piece: `run_cli` (the process of `plait_train`), `Once`, `train_job`, `RunCache` and its
+# fixture `shared_runs`, `resume_job`, `cut_copy`.)
+
+
+# what the fork server imports once; a superset of plait.testing.run_ranks's list (the two share it)
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "plait",
+    "plait.cli",
+    "plait.train.launch",
+    "plait.train.loop",
+    "cli_child",
+]
+_CLI_START = threading.Lock()
+
+
+def pytest_configure(config):
+    """Start multiprocessing's fork server before any test, importing _PRELOAD in the background
+    while pytest collects: the first starter sets what it imports, and `run_ranks` would start it
+    with less (its children, and `run_cli`'s, would then import plait's trainer each time)."""
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+
+def run_cli(*argv, env=None, timeout=180) -> subprocess.CompletedProcess:
+    """`plait ARGV` in a process of its own, as `subprocess.run(capture_output=True, text=True)`
+    returns it (exit code, stdout, stderr; subprocess.TimeoutExpired after `timeout` seconds),
+    with this process's environment updated by `env`, in its working directory.
+
+    The process is forked from multiprocessing's fork server (the one `plait.testing.run_ranks`
+    uses), which imported torch and plait once, and runs the `plait` console script's
+    `plait.cli:main`: a launch does not import torch again in its launching process (seconds of
+    CPU each). What the launcher does from there (its own fork server, the ranks) is unchanged.
+    PLAIT_TEST_SUBPROCESS=1 runs `python -m plait.cli` instead. Tests that need the module entry
+    itself, signals or pipes (Ctrl-C, torchrun, the run-ownership pair) start their own."""
+    cmd = [sys.executable, "-m", "plait.cli", *map(str, argv)]
+    if os.environ.get("PLAIT_TEST_SUBPROCESS"):
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+        )
+    from cli_child import cli_child
+
+    ctx = multiprocessing.get_context("forkserver")
+    with tempfile.TemporaryDirectory(prefix="plait-cli-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        args = (cmd[3:], {**os.environ, **(env or {})}, os.getcwd(), str(out), str(err))
+        with _CLI_START:  # (a fork server is started once; the first call may start it)
+            ctx.set_forkserver_preload(_PRELOAD)
+            child = ctx.Process(target=cli_child, args=args, name="plait")
+            child.start()
+        child.join(timeout)
+
+        def read(path):
+            return path.read_text(errors="replace") if path.exists() else ""
+
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(cmd, timeout, read(out), read(err))
+        return subprocess.CompletedProcess(cmd, child.exitcode, read(out), read(err))
+
+
+class Once:
+    """A job run at most once, however many threads call it: the first caller runs it, the
+    others wait for its result. A job that needs another's run calls it (`resume_job`), so both
+    go into one `side_by_side` and each starts as soon as it can."""
+
+    def __init__(self, job: Callable):
+        self.job, self.lock, self.result = job, threading.Lock(), None
+
+    def __call__(self):
+        with self.lock:
+            if self.result is None:
+                self.result = self.job()
+            return self.result
+
+
+def train_job(run_dir: Path, *args, env=None, timeout=180) -> Once:
+    """`plait train ARGS --train.run_dir RUN_DIR` as a job returning (run dir, CompletedProcess)."""
+    train = functools.partial(plait_train, *args, "--train.run_dir", str(run_dir), env=env, timeout=timeout)
+    return Once(lambda: (run_dir, train()))
+
+
+class RunCache:
+    """`plait train` runs shared by every test file of a session, keyed by their arguments (and
+    environment): a file that needs a run another file has already trained reads that one. A run
+    starts at most once.
+
+    The run directories are shared: read them, or resume a copy (`resume_job`), never resume or
+    damage them in place."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        self.jobs: dict[tuple, Once] = {}
+
+    def job(self, *args, env=None, timeout=180) -> Once:
+        """`plait train ARGS` (without train.run_dir): a job returning (run dir, CompletedProcess)."""
+        key = (tuple(map(str, args)), tuple(sorted((env or {}).items())))
+        if key not in self.jobs:
+            self.jobs[key] = train_job(self.base / f"run{len(self.jobs)}", *args, env=env, timeout=timeout)
+        return self.jobs[key]
+
+    def get(self, runs: dict, lanes: int = 2, env=None, timeout=180) -> dict:
+        """{name: args} -> {name: (run dir, CompletedProcess)}, the missing ones side by side."""
+        return side_by_side(
+            {name: self.job(*args, env=env, timeout=timeout) for name, args in runs.items()}, lanes
+        )
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory) -> RunCache:
+    return RunCache(tmp_path_factory.mktemp("shared-runs"))
+
+
+def resume_job(source: Callable, dst: Path, *args, step: int = 4, timeout=180) -> Callable:
+    """A job: wait for `source` (a job returning (run dir, CompletedProcess)), copy its run as a
+    stop after `step` leaves it (`cut_copy`) to `dst`, and `plait train --resume dst ARGS`.
+    Returns (dst, CompletedProcess); the source's failure, named, if it failed."""
+
+    def job():
+        run, r = source()
+        if r.returncode != 0:
+            return dst, subprocess.CompletedProcess(
+                r.args, r.returncode, r.stdout, f"{run} failed:\n{r.stderr}"
+            )
+        cut_copy(run, dst, step)
+        return dst, plait_train("--resume", str(dst), *args, timeout=timeout)
+
+    return job
+
+
+def cut_copy(run: Path, dst: Path, step: int = 4) -> Path:
+    """A copy of the finished run `run` as it stood once it had saved its checkpoint of `step`,
+    as a run stopped there by `--train.stop_at step` leaves it: the later checkpoints and the
+    metric lines of later steps dropped, `latest` naming step_N. `plait train --resume dst` then
+    does what it does after such a stop (the checkpoint is the same one: the loop saves at
+    `stop_at` and at `checkpoint_every` through one function), without training the first steps
+    in a run of their own. The stop itself is tested on its own (test_train_run.py's bit-exact
+    resume under torchrun, the cross-layout resumes of test_compose.py)."""
+    shutil.copytree(run, dst, ignore=shutil.ignore_patterns("run.lock", "*.safetensors"))
+    root = dst / "checkpoints"
+    name = f"step_{step:08d}"
+    assert (root / name).is_dir(), f"{run} saved no checkpoint at step {step}"
+    for ckpt in root.glob("step_*"):
+        if int(ckpt.name.split("_")[1].split(".")[0]) > step:
+            shutil.rmtree(ckpt)
+    (root / "latest").write_text(name)
+    for path in dst.glob("metrics*.jsonl"):
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(x for x in lines if json.loads(x).get("step", 0) <= step))
+    return dst

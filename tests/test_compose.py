@@ -5,12 +5,10 @@ clipping, and SGD without clipping (a gradient of the wrong scale changes the tr
 once). Losses, gradient norms and gathered parameters within 1e-5. End to end, `plait train`
 checkpoints saved under one layout resume under another with the uninterrupted run's losses."""
 
-import shutil
-
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import SGD, TINY, assert_runs_match, plait_train
+from conftest import SGD, TINY, assert_runs_match, resume_job, side_by_side, train_job
 
 from plait.models import GPT, gpt_config
 from plait.optim import param_groups
@@ -375,28 +373,29 @@ RESUMES = [("dp2xtp2-z3-sp", "pp2xdp2-z3"), ("pp2xtp2", "one"), ("dp4-z2", "dp2x
 
 @pytest.fixture(scope="module")
 def train_runs(tmp_path_factory):
-    """An uninterrupted data-parallel SGD run (no clipping), and runs cut after step 4 under each
-    saving layout."""
+    """An uninterrupted data-parallel SGD run (no clipping), runs cut after step 4 under each
+    saving layout, and each cut run resumed (in a copy) under its other layout; side by side."""
     base = tmp_path_factory.mktemp("compose")
-    runs = {}
+    jobs = {}
     for name, layout in [("full", LAYOUTS["dp2"])] + [(s, LAYOUTS[s]) for s, _ in RESUMES]:
         cut = () if name == "full" else ("--train.stop_at", "4")
-        run = base / name
-        r = plait_train(*TINY, *TP, *SGD, *layout, *cut, "--train.run_dir", str(run), timeout=300)
-        assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
-        runs[name] = run
-    return runs
+        jobs[name] = train_job(base / name, *TINY, *TP, *SGD, *layout, *cut, timeout=300)
+    for saved, resumed in RESUMES:
+        run = base / f"{saved}-to-{resumed}"
+        jobs[run.name] = resume_job(jobs[saved], run, *LAYOUTS[resumed], timeout=300)
+    return side_by_side(jobs)
 
 
 @pytest.mark.parametrize("saved, resumed", RESUMES, ids=[f"{a}-to-{b}" for a, b in RESUMES])
-def test_checkpoint_resumes_across_layouts(train_runs, tmp_path, saved, resumed):
+def test_checkpoint_resumes_across_layouts(train_runs, saved, resumed):
     """Steps 1-4 under the saving layout and steps 5-8 after resuming under another follow the
     uninterrupted run: loss and gradient norm per step within 1e-5."""
-    full = train_runs["full"]
-    assert_runs_match(train_runs[saved], full, steps=range(1, 5), what=saved)
-    run = tmp_path / "run"
-    shutil.copytree(train_runs[saved], run)
-    r = plait_train("--resume", str(run), *LAYOUTS[resumed], timeout=300)
+    for name in ("full", saved):
+        _, r = train_runs[name]
+        assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
+    full = train_runs["full"][0]
+    assert_runs_match(train_runs[saved][0], full, steps=range(1, 5), what=saved)
+    run, r = train_runs[f"{saved}-to-{resumed}"]
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and "step_00000004" in r.stdout
     assert_runs_match(run, full, steps=range(5, 9), what=f"{saved} resumed on {resumed}")

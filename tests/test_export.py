@@ -12,7 +12,7 @@ import sys
 import pytest
 import safetensors.torch
 import torch
-from conftest import TINY, plait_train
+from conftest import TINY
 
 from plait.cli import main
 from plait.data import eval_batches, load_corpus
@@ -29,16 +29,13 @@ CHECKS = [("dp2-zero3", None), ("dp2-zero3", 4), ("tp2", None)]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One 8-step tiny run per layout, checkpoints at steps 4 and 8."""
-    base = tmp_path_factory.mktemp("export")
-    out = {}
-    for name, layout in LAYOUTS.items():
-        run = base / name
-        r = plait_train(*TINY, *layout, "--train.run_dir", str(run))
-        assert r.returncode == 0, r.stderr
-        out[name] = run
-    return out
+def runs(shared_runs):
+    """One 8-step tiny run per layout, checkpoints at steps 4 and 8 (shared with the ZeRO and
+    tensor-parallel `plait train` tests: read, and written to only by `export`)."""
+    done = shared_runs.get({name: (*TINY, *layout) for name, layout in LAYOUTS.items()})
+    for name, (_, r) in done.items():
+        assert r.returncode == 0, f"{name}: {r.stderr}"
+    return {name: run for name, (run, _) in done.items()}
 
 
 def _tokens() -> torch.Tensor:

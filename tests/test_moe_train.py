@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SGD, TINY, assert_runs_match, metrics, plait_train_all
+from conftest import SGD, TINY, assert_runs_match, metrics, resume_job, side_by_side
 
 from plait.errors import ConfigError
 from plait.models import GPT, GPTConfig, gpt_train_flops_per_token
@@ -67,38 +67,26 @@ def _every_key(dp=1, ep=1, tp=1, zero=0):
     )
 
 
-# checkpoints cut after step 4 under one layout and resumed under another (saved, resumed): the
-# experts' ZeRO-3 shards over dp read back as ep slices, and ep slices as ZeRO-3 shards
+# checkpoints of step 4 under one layout resumed under another (saved, resumed): the experts'
+# ZeRO-3 shards over dp read back as ep slices, and ep slices as ZeRO-3 shards
 RESUMES = {
-    "dp2xep2-z3-to-ep2xtp2": (_every_key(dp=2, ep=2, zero=3), _every_key(ep=2, tp=2)),
-    "ep2-to-dp2-z3": (_every_key(ep=2), _every_key(dp=2, zero=3)),
+    "dp2xep2-z3-to-ep2xtp2": ("dp2xep2-z3", _every_key(ep=2, tp=2)),
+    "ep2-to-dp2-z3": ("ep2", _every_key(dp=2, zero=3)),
 }
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(shared_runs, tmp_path_factory):
+    """{name: run dir}: each of LAYOUTS, and "cut-<resume>": the saving layout's run as stopped
+    after step 4 (`cut_copy`), resumed under the other layout; side by side."""
     base = tmp_path_factory.mktemp("moe")
-    args = {
-        name: (*TINY, *MOE, *layout, "--train.run_dir", str(base / name)) for name, layout in LAYOUTS.items()
-    }
-    for name, (saved, _) in RESUMES.items():
-        args[f"cut-{name}"] = (
-            *TINY,
-            *MOE,
-            *saved,
-            "--train.stop_at",
-            "4",
-            "--train.run_dir",
-            str(base / f"cut-{name}"),
-        )
-    done = plait_train_all(args, timeout=300)
-    resumes = {
-        f"cut-{name}": ("--resume", str(base / f"cut-{name}"), *again) for name, (_, again) in RESUMES.items()
-    }
-    done.update({f"resumed-{name}": r for name, r in plait_train_all(resumes, timeout=300).items()})
-    for name, r in done.items():
+    jobs = {name: shared_runs.job(*TINY, *MOE, *layout, timeout=300) for name, layout in LAYOUTS.items()}
+    for name, (saved, again) in RESUMES.items():
+        jobs[f"cut-{name}"] = resume_job(jobs[saved], base / f"cut-{name}", *again, timeout=300)
+    done = side_by_side(jobs)
+    for name, (_, r) in done.items():
         assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
-    return {name: base / name for name in args}
+    return {name: run for name, (run, _) in done.items()}
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,9 @@ simulated timeline written beside the run, resume from a pipelined checkpoint, a
 configs rejected before any process starts."""
 
 import json
-import shutil
 
 import pytest
-from conftest import TINY, assert_runs_match, losses, plait_train, plait_train_all
+from conftest import TINY, assert_runs_match, losses, resume_job, side_by_side
 
 from plait.errors import ConfigError
 from plait.train.config import load_config
@@ -16,20 +15,22 @@ PP = ("--model.n_layer", "4", "--parallel.dp", "1", "--parallel.pp", "2")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(shared_runs, tmp_path_factory):
+    """{name: (run dir, CompletedProcess)}: the job on dp=2 and on pp=2 under 1F1B and ZB-V, and
+    the 1F1B run as stopped after step 4 (`cut_copy`) resumed; side by side."""
     base = tmp_path_factory.mktemp("pp")
     layouts = {
         "dp": ("--model.n_layer", "4", "--parallel.dp", "2"),
         "1f1b": (*PP, "--parallel.schedule", "1f1b"),
         "zb-v": (*PP, "--parallel.schedule", "zb-v", "--parallel.microbatches", "4"),
-        "cut": (*PP, "--parallel.schedule", "1f1b", "--train.stop_at", "4"),
     }
-    done = plait_train_all(
-        {name: (*TINY, *extra, "--train.run_dir", str(base / name)) for name, extra in layouts.items()}
-    )
-    for name, r in done.items():
+    jobs = {name: shared_runs.job(*TINY, *extra) for name, extra in layouts.items()}
+    jobs["resumed"] = resume_job(jobs["1f1b"], base / "resumed")
+    done = side_by_side(jobs)
+    for name in layouts:
+        _, r = done[name]
         assert r.returncode == 0, f"{name}: {r.stderr}"
-    return {name: (base / name, r) for name, r in done.items()}
+    return done
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "zb-v"])
@@ -55,11 +56,10 @@ def test_timeline_files(runs):
     assert "simulated" in r.stdout
 
 
-def test_pipelined_checkpoint_resumes(runs, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(runs["cut"][0], run)
-    r = plait_train("--resume", str(run))
+def test_pipelined_checkpoint_resumes(runs):
+    run, r = runs["resumed"]
     assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout and "step_00000004" in r.stdout
     assert_runs_match(run, runs["1f1b"][0], steps=range(5, 9), what="resumed 1f1b")
 
 

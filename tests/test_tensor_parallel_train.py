@@ -1,10 +1,9 @@
 """`plait train` with tensor parallelism: runs with and without sequence parallelism, next to data
-parallelism; a tp=2 checkpoint resumes with dp=2 (and the reverse) with the same losses."""
-
-import shutil
+parallelism; a tp=2 checkpoint resumes with dp=2 and with dp2 x tp2 + sequence parallelism, with the
+same losses as the uninterrupted run."""
 
 import pytest
-from conftest import TINY, assert_runs_match, losses, plait_train_all
+from conftest import TINY, assert_runs_match, losses, resume_job, side_by_side
 
 from plait.zero.state import range_boxes, saved_shape
 
@@ -12,7 +11,6 @@ TP = ("--model.n_head", "4")
 TP2 = ("--parallel.tp", "2", "--parallel.dp", "1")
 RUNS = {  # independent runs, trained side by side
     "full": TP2,
-    "cut": (*TP2, "--train.stop_at", "4"),
     "dp": (),
     "sp": (*TP2, "--parallel.sequence_parallel", "true"),
 }
@@ -23,37 +21,28 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{name: (run dir, CompletedProcess)} for RUNS (the job on tp=2, stopped after step 4 too;
-    on dp=2; on tp=2 with sequence parallelism), then the stopped run resumed on each of LAYOUTS
-    (in copies, side by side)."""
+def runs(shared_runs, tmp_path_factory):
+    """{name: (run dir, CompletedProcess)} for RUNS (the job on tp=2; on dp=2; on tp=2 with
+    sequence parallelism; shared with other files), and the tp=2 run as stopped after step 4
+    (`cut_copy`) resumed on each of LAYOUTS; side by side."""
     base = tmp_path_factory.mktemp("tp")
-    done = plait_train_all(
-        {name: (*TINY, *TP, *extra, "--train.run_dir", str(base / name)) for name, extra in RUNS.items()}
-    )
-    if done["cut"].returncode == 0:  # (else tp2_runs reports it)
-        for name in LAYOUTS:
-            shutil.copytree(base / "cut", base / f"resumed-{name}")
-        resumes = {
-            f"resumed-{name}": ("--resume", str(base / f"resumed-{name}"), *layout)
-            for name, layout in LAYOUTS.items()
-        }
-        done.update(plait_train_all(resumes))
-    return {name: (base / name, r) for name, r in done.items()}
+    jobs = {name: shared_runs.job(*TINY, *TP, *extra) for name, extra in RUNS.items()}
+    for name, layout in LAYOUTS.items():
+        jobs[f"resumed-{name}"] = resume_job(jobs["full"], base / f"resumed-{name}", *layout)
+    return side_by_side(jobs)
 
 
 @pytest.fixture(scope="module")
 def tp2_runs(runs):
-    for name in ("full", "cut"):
-        _, r = runs[name]
-        assert r.returncode == 0, r.stderr
-        assert "tensor parallel over 2" in r.stdout
-    return runs["full"][0], runs["cut"][0]
+    _, r = runs["full"]
+    assert r.returncode == 0, r.stderr
+    assert "tensor parallel over 2" in r.stdout
+    return runs["full"][0]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_tp_checkpoint_resumes_on_another_layout(tp2_runs, runs, name):
-    full, _ = tp2_runs
+    full = tp2_runs
     run, r = runs[f"resumed-{name}"]
     assert r.returncode == 0, r.stderr
     assert_runs_match(run, full, steps=range(5, 9), what=f"resumed on {LAYOUTS[name]}")
@@ -61,7 +50,7 @@ def test_tp_checkpoint_resumes_on_another_layout(tp2_runs, runs, name):
 
 def test_tp_runs_match_data_parallel(tp2_runs, runs):
     """The same job on dp=2 and on tp=2 (and tp=2 with sequence parallelism) has the same losses."""
-    full, _ = tp2_runs
+    full = tp2_runs
     dp_run, r = runs["dp"]
     assert r.returncode == 0, r.stderr
     sp_run, r = runs["sp"]

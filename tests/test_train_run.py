@@ -16,7 +16,9 @@ from conftest import (
     losses,
     plait_train,
     plait_train_all,
+    resume_job,
     side_by_side,
+    train_job,
 )
 
 from plait.train.metrics import read_metrics
@@ -125,7 +127,6 @@ ERROR_FEEDBACK = [
     ("topk", "gradient", 2),
     ("powersgd", "gradient", 0),
 ]
-ANOTHER = ("--parallel.dp", "2", "--comm.compression", "topk", "--comm.topk_ratio", "0.05")
 
 
 def _error_feedback(compression, target, stage):
@@ -136,24 +137,20 @@ def _error_feedback(compression, target, stage):
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """For each ERROR_FEEDBACK config, <config>/ref: 8 uninterrupted steps, and <config>/run:
-    stopped after step 4, then resumed; another/run: topk stopped after step 4, resumed with
-    powersgd. The independent runs side by side, then the resumes side by side. Returns the
-    base directory and {"<config>/<ref|cut|resume>": CompletedProcess}."""
+    """For each ERROR_FEEDBACK config, <config>/ref: 8 uninterrupted steps, and <config>/run: a
+    copy of ref as a stop after step 4 leaves it (`cut_copy`), resumed; another/run: the same of
+    topk-gradient-0, resumed with powersgd. Side by side, each resume as soon as its reference is
+    done. Returns the base directory and {"<config>/<ref|resume>": CompletedProcess}."""
     base = tmp_path_factory.mktemp("resume")
-    stop = ("--train.stop_at", "4")
-    first, resumes = {}, {}
+    refs, resumes = {}, {}
     for config in ERROR_FEEDBACK:
         name, comp = "-".join(map(str, config)), _error_feedback(*config)
-        first[f"{name}/ref"] = (*TINY, *comp, "--train.run_dir", str(base / name / "ref"))
-        first[f"{name}/cut"] = (*TINY, *comp, "--train.run_dir", str(base / name / "run"), *stop)
-        resumes[f"{name}/resume"] = ("--resume", str(base / name / "run"))
-    run = base / "another" / "run"
-    first["another/cut"] = (*TINY, *ANOTHER, "--train.run_dir", str(run), *stop)
-    resumes["another/resume"] = ("--resume", str(run), "--comm.compression", "powersgd")
-    done = plait_train_all(first)
-    done.update(plait_train_all(resumes))
-    return base, done
+        refs[name] = train_job(base / name / "ref", *TINY, *comp)
+        resumes[f"{name}/resume"] = resume_job(refs[name], base / name / "run")
+    another = base / "another" / "run"
+    resumes["another/resume"] = resume_job(refs["topk-gradient-0"], another, "--comm.compression", "powersgd")
+    done = side_by_side({f"{name}/ref": job for name, job in refs.items()} | resumes)
+    return base, {name: r for name, (_, r) in done.items()}
 
 
 @pytest.mark.parametrize("compression,target,stage", ERROR_FEEDBACK)
@@ -165,9 +162,10 @@ def test_resume_with_error_feedback_restores_the_residuals(resumed, compression,
     # compressor replaces the gradient reduce-scatter; PowerSGD's warm-start matrices are state too.
     base, done = resumed
     name = f"{compression}-{target}-{stage}"
-    for what in ("ref", "cut", "resume"):
+    for what in ("ref", "resume"):
         r = done[f"{name}/{what}"]
         assert r.returncode == 0, f"{name} {what}: {r.stderr}"
+    assert "resumed from" in r.stdout and "step_00000004" in r.stdout
     ref, run = base / name / "ref", base / name / "run"
     assert max(losses(run)) > 4 and losses(run) == losses(ref)  # bit for bit, every step
 
@@ -187,9 +185,8 @@ def test_onebit_adam_under_zero2_follows_data_parallel(resumed):
 
 def test_resume_with_another_compressor_starts_from_zero_residuals(resumed):
     base, done = resumed
-    for what in ("cut", "resume"):
-        r = done[f"another/{what}"]
-        assert r.returncode == 0, r.stderr
+    r = done["another/resume"]
+    assert r.returncode == 0, r.stderr
     assert "residuals of another layout" in r.stdout and max(losses(base / "another" / "run")) == 8
 
 

@@ -2,11 +2,10 @@
 stages; a full disk while offloading fails clearly and the last checkpoint survives."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TINY, assert_runs_match, fault_env, losses, plait_train, plait_train_all
+from conftest import TINY, assert_runs_match, fault_env, losses, plait_train, resume_job, side_by_side
 
 from plait.errors import ConfigError
 from plait.train.checkpoint import latest_checkpoint, verify_checkpoint
@@ -34,43 +33,32 @@ MODES = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{name: (run dir, CompletedProcess)}: "full", ZeRO-3 at dp=2, 8 uninterrupted steps;
-    "cut", the same run stopped after step 4; each of MODES; side by side. Then "cut" resumed
-    on each of RESHARD (in copies, side by side)."""
+def runs(shared_runs, tmp_path_factory):
+    """{name: (run dir, CompletedProcess)}: "full", ZeRO-3 at dp=2, 8 uninterrupted steps (shared
+    with other files); each of MODES; and "full" as stopped after step 4 (`cut_copy`) resumed on
+    each of RESHARD; side by side."""
     base = tmp_path_factory.mktemp("zero")
-    zero3 = ("--parallel.zero_stage", "3")
-    first = {
-        "full": (*TINY, *zero3, "--train.run_dir", str(base / "full")),
-        "cut": (*TINY, *zero3, "--train.stop_at", "4", "--train.run_dir", str(base / "cut")),
-        **{name: (*TINY, *args, "--train.run_dir", str(base / name)) for name, args in MODES.items()},
-    }
-    done = plait_train_all(first)
-    if done["cut"].returncode == 0:  # (else zero3_reference reports it)
-        for name in RESHARD:
-            shutil.copytree(base / "cut", base / f"resumed-{name}")
-        resumes = {
-            f"resumed-{name}": ("--resume", str(base / f"resumed-{name}"), *layout)
-            for name, layout in RESHARD.items()
-        }
-        done.update(plait_train_all(resumes))
-    return {name: (base / name, r) for name, r in done.items()}
+    jobs = {"full": shared_runs.job(*TINY, "--parallel.zero_stage", "3")}
+    for name, args in MODES.items():
+        jobs[name] = shared_runs.job(*TINY, *args)
+    for name, layout in RESHARD.items():  # last: a lane that takes one waits for "full"
+        jobs[f"resumed-{name}"] = resume_job(jobs["full"], base / f"resumed-{name}", *layout)
+    return side_by_side(jobs)
 
 
 @pytest.fixture(scope="module")
 def zero3_reference(runs):
-    """ZeRO-3 at dp=2, 8 uninterrupted steps; and the same run stopped after step 4."""
-    for name in ("full", "cut"):
-        _, r = runs[name]
-        assert r.returncode == 0, r.stderr
-    return runs["full"][0], runs["cut"][0]
+    """ZeRO-3 at dp=2, 8 uninterrupted steps."""
+    _, r = runs["full"]
+    assert r.returncode == 0, r.stderr
+    return runs["full"][0]
 
 
 @pytest.mark.parametrize("name", RESHARD)
 def test_zero3_checkpoint_reshards_and_training_continues(zero3_reference, runs, name):
     """A dp=2 ZeRO-3 checkpoint loads into dp=4 ZeRO-3, into ZeRO-1 and into one process, and the
     steps after it have the losses of the uninterrupted run."""
-    full, _ = zero3_reference
+    full = zero3_reference
     run, r = runs[f"resumed-{name}"]
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout and "step_00000004" in r.stdout
