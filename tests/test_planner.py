@@ -424,3 +424,24 @@ def test_plait_train_with_plan_auto_runs_the_chosen_layout(this_cache, tmp_path,
     saved = tomllib.loads((run / "config.toml").read_text())["parallel"]
     assert saved["plan"] == "manual" and saved["dp"] * saved["tp"] * saved["pp"] == 2
     assert f"dp{saved['dp']}-tp{saved['tp']}-pp{saved['pp']}" in line
+
+
+def test_tensor_parallel_prices_the_collectives_plait_sends(this_cache):
+    """Per block 2 forward and 2 backward tp collectives: all-reduces, or under SP an all-gather
+    and a reduce-scatter each, priced by their own measured alpha-beta; plus the edges (the
+    vocab-parallel embedding's, the head's, the loss's three per-token all-reduces)."""
+    from plait.comm.ledger import bus_bytes
+
+    c = load_cluster("this")
+    cfg = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128)
+    b, k = 8, 4
+    act = b * 128 * 128 * 4  # fp32 activations of one micro-batch
+
+    def t(op, payload):  # the fake calibration's 2-of-2 fit: alpha 400 us, 1 GB/s
+        return 400e-6 + bus_bytes(op, payload, 2) / 1e9
+
+    loss = 3 * t("all_reduce", b * 128 * 4)
+    for sp, per in ((False, t("all_reduce", act)), (True, t("all_gather", act) + t("reduce_scatter", act))):
+        got = evaluate(cfg, b, Layout(tp=2, sequence_parallel=sp, microbatch_size=b, microbatches=1), c)
+        want = 2 * k * per + 2 * k * per + (per + loss) + per
+        assert got["terms"]["tp_ep_s"] == pytest.approx(want, rel=1e-12), sp

@@ -193,17 +193,33 @@ def _evaluate(
     head_b = 2 * head_f
 
     # Tensor parallel: 2 all-reduces forward, 2 backward per block (Megatron's f and g), 2 more
-    # when recomputation replays the forward; SP's all-gather + reduce-scatter moves the same bytes.
+    # when recomputation replays the forward. Under SP each all-reduce is an all-gather before
+    # the split region and a reduce-scatter after it: the same bytes, but two collectives, each
+    # priced by its own measured α-β where the cluster has them (gloo's reduce-scatter is slower).
     act = tokens * h * act_bytes
-    tp_ar = _ring_time(links["tp"], "all_reduce", act, lo.tp, **coll)
+    if lo.sequence_parallel:
+        tp_ar = _ring_time(links["tp"], "all_gather", act, lo.tp, **coll) + _ring_time(
+            links["tp"], "reduce_scatter", act, lo.tp, **coll
+        )
+    else:
+        tp_ar = _ring_time(links["tp"], "all_reduce", act, lo.tp, **coll)
     tp_f, tp_b = 2 * k * tp_ar, (4 if lo.recompute else 2) * k * tp_ar
+    # ... and at the edges: the vocab-parallel embedding's output (one such collective forward),
+    # the head's input (one backward), and the vocab-parallel loss's three all-reduces of a
+    # float per token (the logits' max, the sum of exponentials, the target's logit).
+    # A pipeline's first stage holds the embedding and its last the head and the loss: each stage
+    # is priced with the edge collectives (communication, so not in compute_s).
+    edge_f = (
+        0.0 if lo.tp == 1 else tp_ar + 3 * _ring_time(links["tp"], "all_reduce", tokens * 4, lo.tp, **coll)
+    )
+    edge_b = 0.0 if lo.tp == 1 else tp_ar
     # Expert parallel: dispatch and combine all-to-alls of top_k copies of each token, per MoE block.
     moe_k = cfg.n_moe_layers * k / L
     ep_a2a = (
         _ring_time(links["ep"], "all_to_all", act * max(cfg.top_k, 1), lo.ep, **coll) if cfg.experts else 0.0
     )
     ep_f, ep_b = 2 * moe_k * ep_a2a, 2 * moe_k * ep_a2a
-    comm_f, comm_b = tp_f + ep_f, tp_b + ep_b
+    comm_f, comm_b = tp_f + ep_f + edge_f, tp_b + ep_b + edge_b
 
     # The pipeline, or the accumulation loop.
     p2p_bytes = act / (lo.tp if lo.sequence_parallel else 1)
@@ -312,7 +328,8 @@ def _evaluate(
         "reason": "",
         "terms": {
             "compute_s": m * (f + b_ + w_ + head_f + head_b),
-            "block_s": (f + b_ + w_ + comm_f + comm_b) / k,  # one block, one micro-batch, with tp/ep
+            "block_s": (f + b_ + w_ + comm_f - edge_f + comm_b - edge_b)
+            / k,  # one block, one micro-batch, with tp/ep
             "head_s": head_f + head_b,
             "tp_ep_s": m * (comm_f + comm_b),
             "p2p_s": p2p,
