@@ -14,14 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # noqa: F401  (installed by the test command, make test: a missing one fails, never skips)
+from conftest import TINY, plait_train, plait_train_all
 
-pytest.importorskip("transformers")
-
-from conftest import TINY, plait_train, plait_train_all  # noqa: E402
-
-from plait.errors import ConfigError  # noqa: E402
-from plait.optim import build_optimizer, param_groups  # noqa: E402
-from plait.testing import (  # noqa: E402
+from plait.errors import ConfigError
+from plait.optim import build_optimizer, param_groups
+from plait.testing import (
     assert_close_grad_norms,
     assert_close_losses,
     assert_close_params,
@@ -29,7 +27,7 @@ from plait.testing import (  # noqa: E402
     run_ranks,
     state_of,
 )
-from plait.train.config import Config, validate  # noqa: E402
+from plait.train.config import Config, validate
 
 STEPS, BATCH, SEQ = 4, 4, 16
 ONE = dict(dp=1, tp=1, pp=1)

@@ -5,14 +5,13 @@ import json
 import math
 
 import pytest
+import tensorboard  # noqa: F401  (installed by the test command, make test: a missing one fails, never skips)
 import torch
 from conftest import TINY, plait_train
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-pytest.importorskip("tensorboard")
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-
-from plait.train.metrics import read_metrics  # noqa: E402
-from plait.train.tensorboard import TensorBoardWriter, scalars  # noqa: E402
+from plait.train.metrics import read_metrics
+from plait.train.tensorboard import TensorBoardWriter, scalars
 
 
 def _read(log_dir) -> dict[str, list[tuple[int, float]]]:
