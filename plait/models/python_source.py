@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import ConfigError
+from plait.models.gpt import GPT
 
 PREFIX = "python:"
 _SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -269,27 +270,7 @@ class PythonModel(nn.Module):
 
         return split_sequential(self.net, n_stages, _sum_cross_entropy, split)
 
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None) -> torch.Tensor:
-        """Sample tokens after `idx` (B, T) with the context cropped to seq_len: greedy at
-        temperature 0, else from the softmax at `temperature` over the `top_k` likeliest."""
-        was_training = self.training
-        self.eval()
-        try:
-            for _ in range(max_new_tokens):
-                logits = self(idx[:, -self.cfg.seq_len :])[:, -1, :].float()
-                if temperature == 0:
-                    nxt = logits.argmax(dim=-1, keepdim=True)
-                else:
-                    logits = logits / temperature
-                    if top_k is not None:
-                        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                        logits = logits.masked_fill(logits < kth, float("-inf"))
-                    nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-                idx = torch.cat([idx, nxt], dim=1)
-        finally:
-            self.train(was_training)
-        return idx
+    generate = GPT.generate  # plait's sampling loop: it only calls forward and reads cfg.seq_len
 
 
 def train_flops_per_token(model: nn.Module) -> float:

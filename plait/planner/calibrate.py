@@ -145,10 +145,11 @@ def _ranks_measure(cores: int, sizes: tuple[int, ...], reps: int) -> dict:
     world = dist.get_world_size()
     threads = threads_per_rank(world, cores)
     torch.set_num_threads(threads)
-    dist.barrier()
+    whole = Mesh(dp=world, watchdog=False)
+    comm.barrier(whole)
     flops = _matmul_flops(threads)
     rank = dist.get_rank()
-    meshes = [(Mesh(dp=world, watchdog=False), "dp", world)]
+    meshes = [(whole, "dp", world)]
     if world == 4:
         meshes.append((Mesh(dp=2, tp=2, watchdog=False), "tp", 2))
     times: dict = {}
@@ -165,7 +166,7 @@ def _ranks_measure(cores: int, sizes: tuple[int, ...], reps: int) -> dict:
                 src = x[: size // 4 // n] if op == "all_gather" else x
                 samples = []
                 for r in range(reps + 1):
-                    dist.barrier()
+                    comm.barrier(whole)
                     t0 = time.perf_counter()
                     if op == "all_reduce":
                         comm.all_reduce(x, mesh, axis)
@@ -182,7 +183,7 @@ def _ranks_measure(cores: int, sizes: tuple[int, ...], reps: int) -> dict:
                     if r:  # the first is a warm-up
                         samples.append(time.perf_counter() - t0)
                 worst = torch.tensor(samples, dtype=torch.float64)
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # a collective ends with its last rank
+                comm.all_reduce(worst, whole, "world", op="max")  # a collective ends with its last rank
                 points.append((size, statistics.median(worst.tolist())))
             times[(op, n)] = points
     bar.end()

@@ -222,7 +222,6 @@ def export(
     """Write the model of the run's checkpoint (`step`, default the latest) as one safetensors
     file at `out` (default RUN_DIR/model.safetensors), in `dtype` ("fp32" or "bf16"); returns
     the path written. See the module docstring for the format."""
-    from safetensors.torch import save_file
 
     from plait.models import GPT, GPTConfig
 
@@ -245,18 +244,37 @@ def export(
     with torch.device("meta"):  # names, shapes and ties only: no memory, no initialisation
         model = GPT(mcfg)
     state = read_model_state(ckpt, model)
-    tensors = {}
-    for names in tie_groups(model):
-        for i, name in enumerate(names):
-            t = state[name].to(DTYPES[dtype]).contiguous()
-            tensors[name] = t.clone() if i else t  # safetensors takes no shared memory: a copy per tie
+    tensors = _untied(model, state, dtype)
     for key in model.state_dict():  # persistent buffers (GPT has none) are not in checkpoints
         if key not in tensors:
             raise ExportError(f"the model's state {key} is not a parameter and is not in the checkpoint")
     metadata = {
-        "format": "pt",
         META_CONFIG: json.dumps(dataclasses.asdict(mcfg)),
         META_TIED: json.dumps([g for g in tie_groups(model) if len(g) > 1]),
+    }
+    return _write_file(tensors, out, metadata, run_dir, ckpt, manifest, dtype)
+
+
+def _untied(model: torch.nn.Module, state: dict, dtype: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors in `dtype` by the model's names (`prefix` removed); each name of a
+    tie gets its own copy, since safetensors takes no tensors that share memory."""
+    tensors = {}
+    for names in tie_groups(model):
+        for i, name in enumerate(names):
+            t = state[name].to(DTYPES[dtype]).contiguous()
+            tensors[name.removeprefix(prefix)] = t.clone() if i else t
+    return tensors
+
+
+def _write_file(tensors, out: Path, metadata: dict, run_dir: Path, ckpt: Path, manifest, dtype) -> Path:
+    """`tensors` as the safetensors file `out`, with `metadata` and the step, checkpoint, dtype and
+    run config in its header: written under a temporary name, synced and renamed (a failed export
+    leaves nothing); the run's tokenizer.json, if any, beside it."""
+    from safetensors.torch import save_file
+
+    metadata = {
+        "format": "pt",
+        **metadata,
         "plait.step": str(manifest.get("step", "")),
         "plait.checkpoint": str(ckpt),
         "plait.dtype": dtype,
@@ -285,8 +303,6 @@ def export_python(run_dir: Path, source: str, ckpt: Path, out: Path | None, dtyp
     (`module.load_state_dict(safetensors.torch.load_file(out))` loads it): the factory is imported
     (from the current directory or PYTHONPATH, as in training) to learn names and shapes on the meta
     device; a tokenizer.json of the run is copied beside the file."""
-    from safetensors.torch import save_file
-
     from plait.models.python_source import PythonModel, build_python_model, model_args
 
     out = out if out is not None else run_dir / "model.safetensors"
@@ -296,29 +312,8 @@ def export_python(run_dir: Path, source: str, ckpt: Path, out: Path | None, dtyp
     with torch.device("meta"):
         model = build_python_model(source, model_args(cfg))
     state = read_model_state(ckpt, model)
-    prefix = "net." if isinstance(model, PythonModel) else ""
-    tensors = {}
-    for names in tie_groups(model):
-        for i, name in enumerate(names):
-            t = state[name].to(DTYPES[dtype]).contiguous()
-            tensors[name.removeprefix(prefix)] = t.clone() if i else t
-    metadata = {
-        "format": "pt",
-        "plait.source": source,
-        "plait.step": str(manifest.get("step", "")),
-        "plait.checkpoint": str(ckpt),
-        "plait.dtype": dtype,
-        "plait.run_config": (run_dir / "config.toml").read_text(),
-    }
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, out)
-        _copy_tokenizer(run_dir, out.parent)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise ExportError(f"writing {out} failed ({exc}); nothing was written there") from None
-    return out
+    tensors = _untied(model, state, dtype, "net." if isinstance(model, PythonModel) else "")
+    return _write_file(tensors, out, {"plait.source": source}, run_dir, ckpt, manifest, dtype)
 
 
 def export_hf(run_dir: Path, mcfg, ckpt: Path, out: Path, dtype: str) -> Path:
