@@ -18,7 +18,7 @@ Four processes on two cores oversubscribe them: the calibration measures the mat
 gets when four compute at once, and the collectives in a world of four, so the prediction models
 that; nothing is fitted per layout.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/plan_validate.py [--steps 8] [--tag T] [--reprice]
+    PYTHONPATH=. .venv/bin/python benchmarks/plan_validate.py [--steps 12] [--tag T] [--reprice]
         -> benchmarks/results/plan_validate[_T].md, .png, .json, _cluster.toml (the calibration)
 """
 
@@ -147,7 +147,7 @@ def spearman(xs, ys) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--quick", action="store_true", help="3 layouts per group (a smoke run)")
     ap.add_argument("--models", default="small,20m")
     ap.add_argument("--worlds", default="2,4")
@@ -302,6 +302,8 @@ def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> Non
         + ", ".join(f"{w} ranks {t * 1e3:.1f}" for w, t in cluster.rank_tflops)
         + " GFLOP/s; efficiency by d_model/tokens per micro-batch: "
         + ", ".join(f"{h:g}/{t:g} tokens: {e:.2f}" for h, t, e in cluster.efficiency_curve)
+        + "; as one of tp ranks, d_model/tokens/tp: "
+        + ", ".join(f"{h:g}/{n:g}/{t:g}: {e:.2f}" for h, n, t, e in cluster.tp_efficiency)
         + "; collectives: "
         + ", ".join(
             f"{op}/{n} of {w}: {ln.alpha_s * 1e6:.0f} us, {ln.beta_bps / 1e9:.2f} GB/s"

@@ -497,6 +497,9 @@ def format_cluster(cluster, path) -> str:
     lines.append(f"  matmul GFLOP/s per rank while all compute (launcher's threads): {per}")
     curve = ", ".join(f"{h:g}/{t:g}: {e:.2f}" for h, t, e in cluster.efficiency_curve)
     lines.append(f"  GPT efficiency (model FLOPs / one-thread matmul) by d_model/tokens: {curve}")
+    if cluster.tp_efficiency:
+        shares = ", ".join(f"{h:g}/{n:g}/tp{t:g}: {e:.2f}" for h, n, t, e in cluster.tp_efficiency)
+        lines.append(f"  as one of tp ranks (its share of the FLOPs), d_model/tokens/tp: {shares}")
     lines.append(f"  {'collective':<16}{'ranks':>6}{'of world':>9}{'alpha us':>10}{'beta GB/s':>11}")
     for op, n, w, link in cluster.collectives:
         lines.append(f"  {op:<16}{n:>6}{w:>9}{link.alpha_s * 1e6:>10.0f}{link.beta_bps / 1e9:>11.3f}")

@@ -261,6 +261,11 @@ def _fake_calibration(**key_changes) -> dict:
         "precision": "fp32",
         "rank_tflops": [[1, 0.05], [2, 0.04], [4, 0.02]],
         "efficiency_curve": [[64, 128, 0.2], [64, 1024, 0.3], [512, 128, 0.5], [512, 1024, 0.6]],
+        "tp_efficiency": [
+            [h, n, tp, round(e * (1.0 - 0.1 * tp), 4)]
+            for h, n, e in ((64, 128, 0.2), (64, 1024, 0.3), (512, 128, 0.5), (512, 1024, 0.6))
+            for tp in (2, 4)
+        ],
         "note": "made up for a test",
         "intra": {"alpha_us": 400.0, "beta_gbps": 1.0},
         "inter": {"alpha_us": 400.0, "beta_gbps": 1.0},
@@ -314,6 +319,13 @@ def test_calibration_cache_round_trips_and_a_changed_key_measures_again(this_cac
     assert c.efficiency_at(4096, 8192) == pytest.approx(0.6)  # flat beyond the grid
     mid = c.efficiency_at(math.sqrt(64 * 512), 128)  # half way in log d_model
     assert mid == pytest.approx(0.35)
+    # A tp rank's share: the measured shares, half way between them in log tp, flat beyond.
+    assert c.efficiency_at(512, 1024, tp=1) == pytest.approx(0.6)
+    assert c.efficiency_at(512, 1024, tp=2) == pytest.approx(0.6 * 0.8)
+    assert c.efficiency_at(512, 1024, tp=4) == pytest.approx(0.6 * 0.6)
+    assert c.efficiency_at(512, 1024, tp=math.sqrt(8)) == pytest.approx(0.6 * 0.7)
+    assert c.efficiency_at(512, 1024, tp=64) == pytest.approx(0.6 * 0.6)
+    assert c.efficiency_at(64, 128, tp=2) == pytest.approx(0.2 * 0.8)
     # Another torch version (or host, CPU, core count): the cache no longer describes this machine.
     calibrate.write_cache(_fake_calibration(torch="0.0.1"))
     measured = []
@@ -323,6 +335,10 @@ def test_calibration_cache_round_trips_and_a_changed_key_measures_again(this_cac
     assert calibrate.load_this(quiet=True) == c and measured == [1]  # now cached
     calibrate.load_this(recalibrate=True, quiet=True)  # --calibrate measures whatever the cache
     assert measured == [1, 1]
+    without_tp = _fake_calibration()
+    del without_tp["tp_efficiency"]  # a cluster file without tp shares: the unsplit model's figure
+    calibrate.write_cache(without_tp)
+    assert load_cluster(str(calibrate.cache_path())).efficiency_at(512, 1024, tp=4) == pytest.approx(0.6)
     broken = _fake_calibration()
     broken["efficiency_curve"] = [[64, 0.2]]  # this machine's key, a field that does not load
     calibrate.write_cache(broken)
@@ -337,10 +353,12 @@ def test_rank_rate_models_ranks_sharing_cores():
     assert c.rank_flops(2) == pytest.approx(0.04e12)
     assert c.rank_flops(3) == pytest.approx(0.10e12 / 3)  # the node's totals 0.08 and 0.12, interpolated
     assert c.rank_flops(8) == pytest.approx(0.12e12 / 8)  # the cores are full: the node's total is shared
-    # Three of four ranks computing at a time share the node's total; two would get more than a
-    # rank's one thread reaches alone, so they get that.
-    assert c.rank_flops(4, computing=3) == pytest.approx(0.12e12 / 3)
-    assert c.rank_flops(4, computing=2) == pytest.approx(0.05e12)
+    # Three of four ranks busy at a time: the node's total with three busy (0.10, interpolated),
+    # shared by them; one busy would get the node's whole total, more than a rank's one thread
+    # reaches alone, so it gets that.
+    assert c.rank_flops(4, computing=3) == pytest.approx(0.10e12 / 3)
+    assert c.rank_flops(4, computing=2) == pytest.approx(0.08e12 / 2)
+    assert c.rank_flops(4, computing=1) == pytest.approx(0.05e12)
 
 
 def test_cost_model_uses_measured_collectives_and_shares_a_cpu_node(this_cache):
@@ -359,10 +377,18 @@ def test_cost_model_uses_measured_collectives_and_shares_a_cpu_node(this_cache):
     assert 1 < four["terms"]["computing_ranks"] <= 4 and rate4 < rate2
     ratio = 0.5 * (rate2 / rate4) * c.efficiency_at(128, 1024) / c.efficiency_at(128, 512)
     assert four["terms"]["compute_s"] == pytest.approx(got["terms"]["compute_s"] * ratio, rel=1e-12)
-    # The fixed point: the ranks computing are the ranks x the share of the step spent computing.
-    busy = four["terms"]["compute_s"] / four["step_s"]
-    assert four["terms"]["computing_ranks"] == pytest.approx(4 * busy, rel=0.02)
+    # The fixed point: the ranks busy are the ranks x the share of the step spent computing or in
+    # a collective (gloo's copies and reductions take the same cores).
+    t = four["terms"]
+    busy = (t["compute_s"] + t["tp_ep_s"] + t["dp_exposed_s"] + t["step_sync_s"]) / four["step_s"]
+    assert t["computing_ranks"] == pytest.approx(4 * busy, rel=0.02)
     assert four["memory_gb"] < c.memory_gb * 0.9 / 4
+    # tp 4: part of the step in collectives, and still every rank busy; a pipeline's bubble is
+    # what frees cores (1F1B over 4 stages and 4 micro-batches: 3/7 of the step idle).
+    tp4 = evaluate(cfg, 16, Layout(tp=4, sequence_parallel=True, microbatch_size=16), c)
+    assert tp4["terms"]["computing_ranks"] > 3.9 > 4 * tp4["terms"]["compute_s"] / tp4["step_s"]
+    pp4 = evaluate(cfg, 16, Layout(pp=4, microbatch_size=4, microbatches=4, schedule="1f1b"), c)
+    assert pp4["bubble"] > 0.3 and pp4["terms"]["computing_ranks"] < 4 * (1 - 0.3)
 
 
 def test_cluster_this_plans_from_the_cache(this_cache, capsys):
@@ -429,7 +455,9 @@ def test_plait_train_with_plan_auto_runs_the_chosen_layout(this_cache, tmp_path,
 def test_tensor_parallel_prices_the_collectives_plait_sends(this_cache):
     """Per block 2 forward and 2 backward tp collectives: all-reduces, or under SP an all-gather
     and a reduce-scatter each, priced by their own measured alpha-beta; plus the edges (the
-    vocab-parallel embedding's, the head's, the loss's three per-token all-reduces)."""
+    vocab-parallel embedding's, the head's, the loss's two all-reduces); and once a step the
+    small synchronous ones: SP's partial gradients, the gradient norm's and the loss's sums (the
+    counts and sizes test_compose_ledger checks against the ledger)."""
     from plait.comm.ledger import bus_bytes
 
     c = load_cluster("this")
@@ -440,8 +468,45 @@ def test_tensor_parallel_prices_the_collectives_plait_sends(this_cache):
     def t(op, payload):  # the fake calibration's 2-of-2 fit: alpha 400 us, 1 GB/s
         return 400e-6 + bus_bytes(op, payload, 2) / 1e9
 
-    loss = 3 * t("all_reduce", b * 128 * 4)
+    # The vocab-parallel loss: the logits' max (a float per token), then the sum of exponentials
+    # stacked with the target's logit (two).
+    loss = t("all_reduce", b * 128 * 4) + t("all_reduce", 2 * b * 128 * 4)
+    norm = t("all_reduce", 8)  # the gradient norm's float64 over tp, once a step
+    h = 128
+    # SP, once a step: per block the two norms' weight and bias with the row-parallel layer's bias,
+    # then the positions with the final norm: their gradients are partial over tp.
+    partial = 2 * k * t("all_reduce", 3 * h * 4) + t("all_reduce", (128 + 2) * h * 4)
     for sp, per in ((False, t("all_reduce", act)), (True, t("all_gather", act) + t("reduce_scatter", act))):
         got = evaluate(cfg, b, Layout(tp=2, sequence_parallel=sp, microbatch_size=b, microbatches=1), c)
         want = 2 * k * per + 2 * k * per + (per + loss) + per
         assert got["terms"]["tp_ep_s"] == pytest.approx(want, rel=1e-12), sp
+        assert got["terms"]["step_sync_s"] == pytest.approx(norm + (partial if sp else 0.0), rel=1e-12), sp
+    # ZeRO-1 over dp 2: the norm over the shards, and the loss over dp (a float64 each).
+    z1 = evaluate(cfg, 2 * b, Layout(dp=2, zero_stage=1, microbatch_size=b, microbatches=1), c)
+    assert z1["terms"]["step_sync_s"] == pytest.approx(2 * norm, rel=1e-12)
+
+
+def _tp_rank_shapes(cfg) -> dict:
+    import torch.distributed as dist
+
+    from plait.mesh import Mesh
+    from plait.models import GPT
+    from plait.tensor_parallel import apply_tp
+
+    model = apply_tp(GPT(cfg), Mesh(tp=dist.get_world_size(), watchdog=False))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_efficiency_probe_computes_what_a_tp_rank_holds(tp):
+    """The calibration's tp probe (`_tp_rank_model`) has, parameter by parameter, the shapes
+    plait's tensor parallelism gives one of tp ranks of the same GPT: it times a rank's share."""
+    from plait.planner.calibrate import _tp_rank_model
+    from plait.testing import run_ranks
+
+    cfg = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, d_model=64)
+    probe = {name: tuple(p.shape) for name, p in _tp_rank_model(cfg, tp).named_parameters()}
+    ranks = run_ranks(_tp_rank_shapes, tp, args=(cfg,))
+    assert all(r == ranks[0] for r in ranks)
+    assert probe == ranks[0]
+    assert probe["blocks.0.attn.qkv.weight"] == (3 * 64 // tp, 64)

@@ -28,8 +28,8 @@ again, as is any with ``plait plan --calibrate``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
-import math
 import os
 import platform
 import statistics
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 """Bumped when what is measured changes: older caches are measured again."""
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20, 16 * 2**20)
@@ -50,6 +50,8 @@ ROWS = (1, 8)
 PROBE_SEQ = 128
 """The efficiency probe: widths x rows of PROBE_SEQ tokens (128 and 1024 tokens per micro-batch)."""
 WORLDS = (2, 4)
+TP_SHARES = (1, 2, 4)
+"""The efficiency probe also runs as one of 2 and 4 tensor-parallel ranks (`_tp_rank_model`)."""
 
 
 def cache_path() -> Path:
@@ -190,11 +192,31 @@ def _ranks_measure(cores: int, sizes: tuple[int, ...], reps: int) -> dict:
     return {"flops": flops, "times": times}
 
 
-def _efficiency_curve(widths=WIDTHS, rows=ROWS, bar: _Bar | None = None) -> list:
-    """[(d_model, tokens per micro-batch, efficiency)]: a 2-block GPT's forward + backward at
-    sequence `PROBE_SEQ`, one thread, its model FLOP/s over the matmul's measured just before
-    (the median of three such ratios, each pair measured moments apart)."""
+def _tp_rank_model(cfg, tp: int):
+    """plait's GPT as one of `tp` tensor-parallel ranks computes it, without the collectives:
+    q/k/v and the MLP's first layer split by columns (whole heads), the two output projections by
+    rows, the tied embedding and head by vocabulary rows (Megatron-LM §3); the norms whole."""
+    from torch import nn
+
     from plait.models import GPT
+
+    model = GPT(dataclasses.replace(cfg, vocab_size=cfg.vocab_size // tp))
+    h, f, bias = cfg.d_model, cfg.ff_dim, cfg.bias
+    if tp > 1:
+        for block in model.blocks:
+            block.attn.qkv = nn.Linear(h, 3 * h // tp, bias=bias)
+            block.attn.proj = nn.Linear(h // tp, h, bias=bias)
+            block.mlp.fc = nn.Linear(h, f // tp, bias=bias)
+            block.mlp.proj = nn.Linear(f // tp, h, bias=bias)
+    return model
+
+
+def _efficiency_curve(widths=WIDTHS, rows=ROWS, shares=TP_SHARES, bar: _Bar | None = None) -> list:
+    """[(d_model, tokens per micro-batch, tp, efficiency)]: a 2-block GPT's forward + backward
+    at sequence `PROBE_SEQ`, one thread, as one of `tp` tensor-parallel ranks computes it
+    (`_tp_rank_model`; tp 1: the whole model): its share of the model FLOPs per second over the
+    matmul's measured just before (the median of three such ratios, each pair measured moments
+    apart)."""
     from plait.models.flops import gpt_train_flops_per_token
     from plait.models.gpt import GPTConfig
 
@@ -203,41 +225,50 @@ def _efficiency_curve(widths=WIDTHS, rows=ROWS, bar: _Bar | None = None) -> list
     out = []
     try:
         for h in widths:
-            cfg = GPTConfig(vocab_size=256, seq_len=PROBE_SEQ, n_layer=2, n_head=max(1, h // 32), d_model=h)
-            torch.manual_seed(0)
-            model = GPT(cfg)
-            for r in rows:
-                x = torch.randint(0, 256, (r, PROBE_SEQ))
-                flops = gpt_train_flops_per_token(cfg) * r * PROBE_SEQ
-                model(x, x).backward()  # warm-up
-                ratios = []
-                for _ in range(3):  # pairs taken moments apart: the load of the moment cancels
-                    peak = _matmul_flops(1, seconds=0.1)
-                    t0 = time.perf_counter()
-                    model(x, x).backward()
-                    ratios.append(flops / (time.perf_counter() - t0) / peak)
-                model.zero_grad(set_to_none=True)
-                out.append((h, r * PROBE_SEQ, round(min(1.0, statistics.median(ratios)), 4)))
-                if bar:
-                    bar.step(f"GPT efficiency, d_model {h}, {r * PROBE_SEQ} tokens")
+            cfg = GPTConfig(vocab_size=256, seq_len=PROBE_SEQ, n_layer=2, n_head=max(4, h // 32), d_model=h)
+            for tp in shares:
+                torch.manual_seed(0)
+                model = _tp_rank_model(cfg, tp)
+                for r in rows:
+                    x = torch.randint(0, 256 // tp, (r, PROBE_SEQ))
+                    flops = gpt_train_flops_per_token(cfg) * r * PROBE_SEQ / tp
+                    model(x, x).backward()  # warm-up
+                    ratios = []
+                    for _ in range(3):  # pairs taken moments apart: the load of the moment cancels
+                        peak = _matmul_flops(1, seconds=0.1)
+                        t0 = time.perf_counter()
+                        model(x, x).backward()
+                        ratios.append(flops / (time.perf_counter() - t0) / peak)
+                    model.zero_grad(set_to_none=True)
+                    out.append((h, r * PROBE_SEQ, tp, round(min(1.0, statistics.median(ratios)), 4)))
+                    if bar:
+                        bar.step(f"GPT efficiency, d_model {h}, tp {tp}, {r * PROBE_SEQ} tokens")
     finally:
         torch.set_num_threads(previous)
     return out
 
 
-def _optimizer_bandwidth(elems: int = 2**20) -> float:
-    """AdamW's step over `elems` fp32 parameters as the bytes/s the cost model's step term uses
-    (2 x (param + grad + state) bytes per parameter: read and write)."""
-    p = torch.nn.Parameter(torch.zeros(elems))
-    p.grad = torch.ones(elems)
-    opt = torch.optim.AdamW([p], lr=1e-3)
-    opt.step()
-    best = math.inf
-    for _ in range(3):
-        t0 = time.perf_counter()
-        opt.step()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * elems * (4 + 4 + 8) / best
+def _optimizer_bandwidth(elems: int = 2**22, tensors: int = 32, reps: int = 7) -> float:
+    """AdamW's step over `elems` fp32 parameters in `tensors` tensors (a model's step walks many),
+    one thread as a rank on a full node has, as the bytes/s the cost model's step term uses
+    (2 x (param + grad + state) bytes per parameter: read and write): the median of `reps` steps
+    after two warm-ups (a single timed step varied 100x between calibrations on a shared machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        params = [torch.nn.Parameter(torch.zeros(elems // tensors)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        times = []
+        for i in range(reps + 2):
+            t0 = time.perf_counter()
+            opt.step()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(previous)
+    return 2 * elems * (4 + 4 + 8) / statistics.median(times)
 
 
 def calibrate(quiet: bool = False) -> dict:
@@ -247,11 +278,12 @@ def calibrate(quiet: bool = False) -> dict:
     key = machine_key()
     cores = key["cores"]
     t_start = time.perf_counter()
-    bar = _Bar(len(WIDTHS) * len(ROWS) + 2, quiet=quiet)
+    bar = _Bar(len(WIDTHS) * len(ROWS) * len(TP_SHARES) + 2, quiet=quiet)
     bar.step("matmul, one process")
     peak1 = _matmul_flops(1)
     rank_tflops = [(1, round(_matmul_flops(threads_per_rank(1, cores)) / 1e12, 6))]
     curve = _efficiency_curve(bar=bar)
+    whole = [(h, n, e) for h, n, tp, e in curve if tp == 1]
     bar.step("optimizer step")
     opt_bw = _optimizer_bandwidth()
     bar.end()
@@ -271,12 +303,13 @@ def calibrate(quiet: bool = False) -> dict:
         "gpus_per_node": 1024,
         "peak_tflops": round(peak1 / 1e12, 6),
         "memory_gb": round(mem_gb, 3),
-        "efficiency": curve[-1][2],
+        "efficiency": whole[-1][2],
         "memory_bw_gbps": round(opt_bw / 1e9, 4),
         "cores": cores,
         "precision": "fp32",
         "rank_tflops": [list(x) for x in rank_tflops],
-        "efficiency_curve": [list(x) for x in curve],
+        "efficiency_curve": [list(x) for x in whole],
+        "tp_efficiency": [[h, n, tp, e] for h, n, tp, e in curve if tp > 1],
         "note": f"measured by plait plan --calibrate in {time.perf_counter() - t_start:.0f} s",
         "intra": _summary_link(collectives),
         "inter": _summary_link(collectives),

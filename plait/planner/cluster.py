@@ -88,6 +88,10 @@ class Cluster:
     efficiency_curve: tuple[tuple[float, float, float], ...] = ()
     """Measured (d_model, tokens per micro-batch, efficiency) points on a grid, interpolated in
     log d_model and log tokens and held flat beyond the ends; empty: ``efficiency`` throughout."""
+    tp_efficiency: tuple[tuple[float, float, float, float], ...] = ()
+    """Measured (d_model, tokens per micro-batch, tp, efficiency) of one of tp tensor-parallel
+    ranks: its 1/tp of the model FLOPs over its time (narrower GEMMs, the norms it still does
+    whole); empty: the unsplit model's efficiency for every tp."""
     collectives: tuple[tuple[str, int, int, Link], ...] = ()
     """Measured (op, ranks, ranks on the node, α-β of the whole collective over its bus bytes):
     used instead of the link class where they cover the op."""
@@ -96,39 +100,42 @@ class Cluster:
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
 
-    def efficiency_at(self, d_model: float, tokens: float = 0) -> float:
+    def efficiency_at(self, d_model: float, tokens: float = 0, tp: int = 1) -> float:
         """The compute efficiency of a GPT of this width on micro-batches of `tokens` tokens (the
-        measured grid, or the one figure)."""
+        measured grid, or the one figure), as one of `tp` tensor-parallel ranks computes its share
+        (the measured shares interpolated in log tp, flat beyond the largest; no tp points: the
+        unsplit model's)."""
         if not self.efficiency_curve:
             return self.efficiency
-        widths = sorted({h for h, _, _ in self.efficiency_curve})
-        grid = {(h, t): e for h, t, e in self.efficiency_curve}
-
-        def along(h: float) -> float:
-            pts = sorted((t, e) for (hh, t), e in grid.items() if hh == h)
-            return _log_interp([t for t, _ in pts], [e for _, e in pts], tokens or pts[-1][0])
-
-        return _log_interp(widths, [along(h) for h in widths], d_model)
+        whole = _grid_at(self.efficiency_curve, d_model, tokens)
+        shares = sorted({t for _, _, t, _ in self.tp_efficiency})
+        if tp <= 1 or not shares:
+            return whole
+        ys = [whole] + [
+            _grid_at([(h, n, e) for h, n, t, e in self.tp_efficiency if t == share], d_model, tokens)
+            for share in shares
+        ]
+        return _log_interp([1.0, *shares], ys, tp)
 
     def rank_flops(self, ranks: int, computing: float = 0.0) -> float:
-        """Matmul FLOP/s one of ``ranks`` devices of a node gets. Measured worlds are used as they
-        are; between them the node's total (ranks x per-rank) is interpolated, and beyond the
-        largest it stays at that world's total (the cores are full). ``computing``: the ranks
-        computing at a time, on average (default all): the node's total is shared by them, up
-        to what a rank's own threads reach alone (the one-thread peak per thread)."""
+        """Matmul FLOP/s one of ``ranks`` devices of a node gets. ``computing``: the ranks busy at a
+        time, on average (default all). The node's total is the measured one of that many busy
+        ranks (ranks x per-rank rate; between measured worlds interpolated, beyond the largest
+        held at its total: the cores are full and more runnable ranks only switch more), shared
+        by them, up to what a rank's own threads reach alone (the one-thread peak per thread)."""
         pts = sorted(self.rank_tflops)
         if not pts:
             return self.peak_flops
         ranks = min(ranks, self.gpus_per_node)
+        active = min(max(computing or ranks, 1.0), ranks)
         total = [(w, w * t * 1e12) for w, t in pts]
         node = total[-1][1]
-        if ranks <= total[0][0]:
-            node = total[0][1] * ranks / total[0][0]
+        if active <= total[0][0]:
+            node = total[0][1] * active / total[0][0]
         for (w0, a0), (w1, a1) in itertools.pairwise(total):
-            if w0 < ranks <= w1:
-                node = a0 + (ranks - w0) / (w1 - w0) * (a1 - a0)
+            if w0 < active <= w1:
+                node = a0 + (active - w0) / (w1 - w0) * (a1 - a0)
                 break
-        active = min(max(computing or ranks, 1.0), ranks)
         threads = max(1, self.cores // ranks) if self.cores else 1
         return min(node / active, max(node / ranks, self.peak_flops * threads))
 
@@ -141,6 +148,19 @@ class Cluster:
     def link_for(self, span: int) -> Link:
         """The link of a group whose ranks span ``span`` consecutive global ranks."""
         return self.intra if span <= self.gpus_per_node else self.inter
+
+
+def _grid_at(points, d_model: float, tokens: float) -> float:
+    """(d_model, tokens, efficiency) points on a grid, interpolated in log d_model and log tokens
+    and held flat beyond the ends (`tokens` 0: the largest measured)."""
+    widths = sorted({h for h, _, _ in points})
+    grid = {(h, t): e for h, t, e in points}
+
+    def along(h: float) -> float:
+        pts = sorted((t, e) for (hh, t), e in grid.items() if hh == h)
+        return _log_interp([t for t, _ in pts], [e for _, e in pts], tokens or pts[-1][0])
+
+    return _log_interp(widths, [along(h) for h in widths], d_model)
 
 
 def _log_interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -315,7 +335,8 @@ def load_cluster(spec: str) -> Cluster:
     path = Path(spec)
     required = {"gpus_per_node", "peak_tflops", "memory_gb", "intra", "inter"}
     optional = {"efficiency", "usable_memory", "memory_bw_gbps", "pcie_gbps", "host_adam_params_per_s"}
-    measured = {"precision", "cores", "rank_tflops", "efficiency_curve", "collective", "calibration"}
+    measured = {"precision", "cores", "rank_tflops", "efficiency_curve", "tp_efficiency", "collective"}
+    measured |= {"calibration"}
     known = required | optional | measured | {"name", "note"}
     if missing := required - set(data):
         raise ConfigError(f"cluster file {spec!r} lacks {', '.join(sorted(missing))}")
@@ -331,12 +352,19 @@ def load_cluster(spec: str) -> Cluster:
     extra = {"precision": precision}
     if "cores" in data:
         extra["cores"] = _number(where, "cores", data["cores"], integer=True)
-    tables = {"rank_tflops": ("ranks", "TFLOP/s"), "efficiency_curve": ("d_model", "tokens", "efficiency")}
+    tables = {
+        "rank_tflops": ("ranks", "TFLOP/s"),
+        "efficiency_curve": ("d_model", "tokens", "efficiency"),
+        "tp_efficiency": ("d_model", "tokens", "tp", "efficiency"),
+    }
     for key, names in tables.items():
         if key in data:
             extra[key] = _tuples(where, key, data[key], names)
-    if any(e > 1 for *_, e in extra.get("efficiency_curve", ())):
-        raise ConfigError(f"{where}: efficiency_curve efficiencies must be at most 1")
+    for key in ("efficiency_curve", "tp_efficiency"):
+        if any(e > 1 for *_, e in extra.get(key, ())):
+            raise ConfigError(f"{where}: {key} efficiencies must be at most 1")
+    if extra.get("tp_efficiency") and not extra.get("efficiency_curve"):
+        raise ConfigError(f"{where}: tp_efficiency needs efficiency_curve (the unsplit model's)")
     if "collective" in data:
         extra["collectives"] = _collectives(where, data["collective"])
     return Cluster(

@@ -3,18 +3,22 @@
 Every term reuses the piece of plait that already states it (docs/planner.md has the derivation):
 
 * compute — the model's FLOPs (`plait.models.flops`, Narayanan et al. 2021 §5.1) over
-  ``peak x efficiency``; per layer and micro-batch the forward is one pass, and the backward
+  ``peak x efficiency`` (on `this`, the efficiency measured for this width, micro-batch and tp
+  share); per layer and micro-batch the forward is one pass, and the backward
   splits as Zero Bubble's B and W (Qi et al. 2023: F ∝ 24h + 4s, B ∝ 24h + 8s, W ∝ 24h);
   full recomputation adds one forward to B;
 * communication — the ring bus bytes of `plait.comm.ledger.bus_bytes` (the same formulas the
   ledger is checked against) on the link the axis lives on (`plait.planner.cluster`), α per
   ring step: tp's Megatron all-reduces (2 forward, 2 backward per layer; SP's reduce-scatter +
-  all-gather pairs have the same volume), pp's point-to-point activations, ep's all-to-alls,
-  dp's gradient all-reduce / ZeRO's reduce-scatter and all-gather;
+  all-gather pairs have the same volume) and the vocab-parallel edges, pp's point-to-point
+  activations, ep's all-to-alls, dp's gradient all-reduce / ZeRO's reduce-scatter and
+  all-gather, and once a step the small synchronous ones (SP's replicated-parameter gradients,
+  the gradient norm's and the loss's sums);
 * overlap where plait overlaps: the dp gradient reduction with the backward of the step's last
   micro-batch (plait's bucketed `GradSync`), ZeRO-3's gathers with compute; tp, ep and ZeRO-1/2's
   parameter all-gather after the step are exposed; on a CPU node (``cluster.cores``) nothing
-  hides: gloo reduces and copies on the cores that compute;
+  hides: gloo reduces and copies on the cores that compute, so a rank in a collective counts as
+  busy when the node's cores are shared out (`evaluate`);
 * the pipeline — plait's own simulator on the schedule plait runs (`plait.planner.stages`);
 * memory — `plait.zero.estimate`'s model states and activations (Korthikanti et al. 2022) times
   the micro-batches the simulator finds in flight, plus the fp32 logits.
@@ -95,6 +99,17 @@ def _ring_time(link, op: str, payload: float, n: int, messages: int = 1, cluster
     return messages * steps * link.alpha_s + bus_bytes(op, payload, n) / link.beta_bps
 
 
+def _scalar_all_reduce(link, n: int, cluster=None, world=0) -> float:
+    """One float64 summed over n ranks: latency-bound, so recursive doubling's ⌈log2 n⌉ steps of α
+    (Thakur et al. 2005) rather than a ring's 2(n-1); the measured all-reduce where there is one."""
+    if n <= 1:
+        return 0.0
+    measured = cluster.collective_link("all_reduce", n, world) if cluster is not None else None
+    if measured is not None:
+        return measured.alpha_s + bus_bytes("all_reduce", 8, n) / measured.beta_bps
+    return math.ceil(math.log2(n)) * link.alpha_s + 8 / link.beta_bps
+
+
 def stage_params(cfg: GPTConfig, layout: Layout) -> int:
     """Parameters one device holds on the heaviest pipeline stage (the first, with the embeddings,
     or the last, with ln_f and the head, whose copy of a tied embedding it keeps), after tp and ep."""
@@ -127,9 +142,10 @@ def evaluate(
     lower_bound: bool = False,
 ) -> dict:
     """The predicted step of `layout` (see `_evaluate`). On a CPU node (``cluster.cores``) the
-    ranks share the cores: a rank waiting (in a pipeline's bubble, in a collective) leaves them
-    to the others, so the compute rate follows the ranks computing on average, found by a fixed
-    point from all of them computing (three rounds); a lower bound takes one computing rank."""
+    ranks share the cores: a rank waiting in a pipeline's bubble leaves them to the others, so
+    the compute rate follows the ranks busy on average, found by a fixed point from all of them
+    busy (three rounds); a lower bound takes one busy rank. A rank in a collective counts as busy:
+    over loopback, gloo's copies and reductions run on the same cores as the ranks' compute."""
     kw = {"optimizer": optimizer, "precision": precision, "lower_bound": lower_bound}
     node_ranks = min(layout.devices, cluster.gpus_per_node)
     if not cluster.cores or node_ranks == 1:
@@ -138,7 +154,9 @@ def evaluate(
         return _evaluate(cfg, global_batch, layout, cluster, computing=1.0, **kw)
     out = _evaluate(cfg, global_batch, layout, cluster, computing=float(node_ranks), **kw)
     for _ in range(3):
-        busy = min(1.0, out["terms"]["compute_s"] / out["step_s"])
+        t = out["terms"]
+        cpu = t["compute_s"] + t["tp_ep_s"] + t["dp_exposed_s"] + t["step_sync_s"]
+        busy = min(1.0, cpu / out["step_s"])
         out = _evaluate(cfg, global_batch, layout, cluster, computing=max(1.0, node_ranks * busy), **kw)
     return out
 
@@ -172,9 +190,10 @@ def _evaluate(
         cfg.vocab_size,
     )
     # A rank's rate: its device's peak (or, on a CPU node, the matmul rate measured with as many
-    # ranks computing at once) times the efficiency of a layer of this width.
+    # ranks computing at once) times the efficiency of a layer of this width, as one of tp ranks
+    # computes its share of it (narrower GEMMs, the norms still whole).
     node_ranks = min(lo.devices, cluster.gpus_per_node)
-    rate = cluster.rank_flops(node_ranks, computing) * cluster.efficiency_at(h, b * s)
+    rate = cluster.rank_flops(node_ranks, computing) * cluster.efficiency_at(h, b * s, lo.tp)
     coll = {"cluster": cluster, "world": node_ranks}
     links = axis_links(cluster, {"tp": lo.tp, "ep": lo.ep, "dp": lo.dp, "pp": lo.pp})
     tokens = b * s
@@ -205,12 +224,16 @@ def _evaluate(
         tp_ar = _ring_time(links["tp"], "all_reduce", act, lo.tp, **coll)
     tp_f, tp_b = 2 * k * tp_ar, (4 if lo.recompute else 2) * k * tp_ar
     # ... and at the edges: the vocab-parallel embedding's output (one such collective forward),
-    # the head's input (one backward), and the vocab-parallel loss's three all-reduces of a
-    # float per token (the logits' max, the sum of exponentials, the target's logit).
+    # the head's input (one backward), and the vocab-parallel loss's two all-reduces (the logits'
+    # max, a float per token; the sum of exponentials stacked with the target's logit, two).
     # A pipeline's first stage holds the embedding and its last the head and the loss: each stage
     # is priced with the edge collectives (communication, so not in compute_s).
     edge_f = (
-        0.0 if lo.tp == 1 else tp_ar + 3 * _ring_time(links["tp"], "all_reduce", tokens * 4, lo.tp, **coll)
+        0.0
+        if lo.tp == 1
+        else tp_ar
+        + _ring_time(links["tp"], "all_reduce", tokens * 4, lo.tp, **coll)
+        + _ring_time(links["tp"], "all_reduce", 2 * tokens * 4, lo.tp, **coll)
     )
     edge_b = 0.0 if lo.tp == 1 else tp_ar
     # Expert parallel: dispatch and combine all-to-alls of top_k copies of each token, per MoE block.
@@ -280,7 +303,22 @@ def _evaluate(
         )
     else:
         step_t = 2 * opt_elems * (p_bytes + g_bytes + k_opt) / (cluster.memory_bw_gbps * 1e9)
-    step = body + dp_exposed + step_t
+    # Once per step, synchronous and small: under SP the gradients of the parameters every tp rank
+    # holds whole but sees a slice of the sequence for (each block's two norms with the bias of
+    # the row-parallel layer after them; the positions and the final norm) are summed over tp;
+    # the gradient norm sums its squares over each axis that splits parameters, and the loss is
+    # summed over the data axes and pp (`plait.train.loop`'s step).
+    sync_t = 0.0
+    if lo.tp > 1 and lo.sequence_parallel:
+        ln = 2 if cfg.bias else 1
+        sync_t += 2 * k * _ring_time(links["tp"], "all_reduce", (ln + int(cfg.bias)) * h * 4, lo.tp, **coll)
+        sync_t += _ring_time(links["tp"], "all_reduce", (s + ln) * h * 4, lo.tp, **coll)
+    norm_axes = [(links["tp"], lo.tp), (links["pp"], lo.pp), (links["ep"], lo.ep)]
+    if lo.zero_stage >= 1:
+        norm_axes.append((link_d, shard))
+    for link, n in [*norm_axes, (link_d, n_data * lo.pp)]:
+        sync_t += _scalar_all_reduce(link, n, **coll)
+    step = body + dp_exposed + sync_t + step_t
 
     # Memory: the estimator's model states and activations.
     states = model_state_bytes_formula(
@@ -314,7 +352,7 @@ def _evaluate(
         usable /= node_ranks
 
     hw_flops = gpt_train_flops_per_token(cfg, recompute=lo.recompute) * global_batch * s
-    comm_s = m * (comm_f + comm_b) + p2p_exposed + dp_exposed
+    comm_s = m * (comm_f + comm_b) + p2p_exposed + dp_exposed + sync_t
     out = {
         "layout": lo.name(),
         **dataclasses.asdict(lo),
@@ -336,6 +374,7 @@ def _evaluate(
             "pipeline_s": body,
             "dp_grad_s": grad_t,
             "dp_exposed_s": dp_exposed,
+            "step_sync_s": sync_t,
             "optimizer_step_s": step_t,
             "params_per_device": psi,
             "computing_ranks": computing or node_ranks,
