@@ -101,6 +101,7 @@ def base_config(model: str, steps: int):
 def measure(base, layout: Layout, workdir: Path) -> float:
     """Median step time (max over ranks) of a short plait train run of `layout`."""
     cfg = layout_config(base, layout, bf16=False)
+    workdir.mkdir(parents=True, exist_ok=True)
     run_dir = workdir / layout.name()
     cfg.train.run_dir = str(run_dir)
     path = workdir / f"{layout.name()}.toml"
@@ -149,6 +150,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--quick", action="store_true", help="3 layouts per group (a smoke run)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=2,
+        help="launches of each layout, in passes over all of them; the median is the measurement "
+        "and the spread between launches the run-to-run noise",
+    )
     ap.add_argument("--models", default="small,20m")
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument(
@@ -169,44 +177,53 @@ def main() -> int:
     calib_s = time.time() - t0
     RESULTS.mkdir(exist_ok=True)
     shutil.copy(cache_path(), out("_cluster.toml"))  # what the predictions rest on, for --reprice
-    rows_out, groups = [], {}
+    todo = []  # (record, base, layout) in measuring order
+    for model in args.models.split(","):
+        steps = args.steps if model == "small" else max(WARMUP + 3, args.steps - 2)
+        base = base_config(model, steps)
+        gpt = model_config(base)
+        batch = base.train.global_batch
+        for world in map(int, args.worlds.split(",")):
+            chosen = plan(base, gpt, batch, world, cluster, top=1, optimizer="adamw", bf16=False)
+            first = chosen["plans"][0]
+            pick = Layout(**{k: first[k] for k in Layout.__dataclass_fields__})
+            group = layouts(world, batch)
+            group = group[:3] if args.quick else group
+            if pick not in group:
+                group.append(pick)
+            for lay in group:
+                pred = evaluate(gpt, batch, lay, cluster, optimizer="adamw", precision="fp32")
+                rec = {
+                    "model": model,
+                    "world": world,
+                    "layout": lay.name(),
+                    "predicted_s": pred["step_s"],
+                    "launches_s": [],
+                    "planner_pick": lay == pick,
+                    "layout_fields": dataclasses.asdict(lay),
+                    "command": command_line(),
+                    "feasible": pred["feasible"],
+                }
+                todo.append((rec, base, lay))
     with tempfile.TemporaryDirectory(prefix="plan-validate-") as tmp:
-        for model in args.models.split(","):
-            steps = args.steps if model == "small" else max(WARMUP + 3, args.steps - 2)
-            base = base_config(model, steps)
-            gpt = model_config(base)
-            batch = base.train.global_batch
-            for world in map(int, args.worlds.split(",")):
-                chosen = plan(base, gpt, batch, world, cluster, top=1, optimizer="adamw", bf16=False)
-                first = chosen["plans"][0]
-                pick = Layout(**{k: first[k] for k in Layout.__dataclass_fields__})
-                todo = layouts(world, batch)
-                todo = todo[:3] if args.quick else todo
-                if pick not in todo:
-                    todo.append(pick)
-                for lay in todo:
-                    pred = evaluate(gpt, batch, lay, cluster, optimizer="adamw", precision="fp32")
-                    meas = measure(base, lay, Path(tmp))
-                    rec = {
-                        "model": model,
-                        "world": world,
-                        "layout": lay.name(),
-                        "predicted_s": pred["step_s"],
-                        "measured_s": meas,
-                        "error": pred["step_s"] / meas - 1,
-                        "planner_pick": lay == pick,
-                        "layout_fields": dataclasses.asdict(lay),
-                        "command": command_line(),
-                        "feasible": pred["feasible"],
-                    }
-                    rows_out.append(rec)
-                    groups.setdefault((model, world), []).append(rec)
-                    print(
-                        f"{model:>6} x{world} {lay.name():<36} predicted {pred['step_s'] * 1e3:8.1f} ms  "
-                        f"measured {meas * 1e3:8.1f} ms  ({rec['error']:+.0%})",
-                        flush=True,
-                    )
-                report(rows_out, groups, cluster, info, calib_s, time.time() - t0)  # so far
+        for rep in range(args.repeat):  # every layout once per pass: a pass's drift hits them all
+            for rec, base, lay in todo:
+                meas = measure(base, lay, Path(tmp) / f"pass{rep}")
+                rec["launches_s"].append(meas)
+                rec["measured_s"] = statistics.median(rec["launches_s"])
+                rec["error"] = rec["predicted_s"] / rec["measured_s"] - 1
+                rec["spread"] = (max(rec["launches_s"]) - min(rec["launches_s"])) / rec["measured_s"]
+                print(
+                    f"{rec['model']:>6} x{rec['world']} {rec['layout']:<36} predicted "
+                    f"{rec['predicted_s'] * 1e3:8.1f} ms  measured {meas * 1e3:8.1f} ms  "
+                    f"(pass {rep + 1}; {rec['error']:+.0%} against the median so far)",
+                    flush=True,
+                )
+            rows_out = [rec for rec, _, _ in todo if "measured_s" in rec]
+            groups: dict = {}
+            for rec in rows_out:
+                groups.setdefault((rec["model"], rec["world"]), []).append(rec)
+            report(rows_out, groups, cluster, info, calib_s, time.time() - t0)  # so far
     return 0
 
 
@@ -258,6 +275,8 @@ def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> Non
                 "ranked_first": top["layout"],
                 "ranked_first_vs_fastest": top["measured_s"] / fastest - 1,
                 "fastest": min(recs, key=lambda r: r["measured_s"])["layout"],
+                "median_spread": _median_spread(recs),
+                "retest_spearman": _retest(recs),
             }
         )
     allp, allm = [r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]
@@ -265,6 +284,7 @@ def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> Non
         "spearman": spearman(allp, allm),
         "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
         "runs": len(rows),
+        "median_spread": _median_spread(rows),
     }
     out(".json").write_text(
         json.dumps(
@@ -323,6 +343,8 @@ def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> Non
                 "ranked first",
                 "its time vs fastest",
                 "fastest measured",
+                "launch spread",
+                "Spearman launch 1 vs 2",
             ],
             [
                 [
@@ -334,18 +356,25 @@ def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> Non
                     s["ranked_first"],
                     f"{s['ranked_first_vs_fastest']:+.0%}",
                     s["fastest"],
+                    _pct(s.get("median_spread")),
+                    "" if s.get("retest_spearman") is None else f"{s['retest_spearman']:.2f}",
                 ]
                 for s in summary
             ],
         ),  # fmt: skip
         "",
         f"All {overall['runs']} runs: Spearman {overall['spearman']:.2f} (target >= 0.8), median absolute "
-        f"error {overall['median_abs_error']:.0%} (target <= 20%).",
+        f"error {overall['median_abs_error']:.0%} (target <= 20%). Launch spread: (slowest - fastest launch) "
+        f"/ median of the same layout's launches, the median over the group: the run-to-run noise "
+        f"(all runs: {_pct(overall.get('median_spread'))}). Spearman launch 1 vs 2: the rank correlation "
+        f"of the group's first launches with its second, the measurement against itself: a model cannot be "
+        f"expected to rank the layouts better than that.",
         "",
         "## Every run",
         "",
         markdown_table(
-            ["model", "ranks", "layout", "predicted ms", "measured ms", "error", "planner's pick"],
+            ["model", "ranks", "layout", "predicted ms", "measured ms", "launches ms", "error"]
+            + ["planner's pick"],
             [
                 [
                     r["model"],
@@ -353,6 +382,7 @@ def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> Non
                     r["layout"],
                     f"{r['predicted_s'] * 1e3:.1f}",
                     f"{r['measured_s'] * 1e3:.1f}",
+                    ", ".join(f"{x * 1e3:.0f}" for x in r.get("launches_s", [r["measured_s"]])),
                     f"{r['error']:+.0%}",
                     "yes" if r["planner_pick"] else "",
                 ]
@@ -365,6 +395,21 @@ def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> Non
     ]
     out(".md").write_text("\n".join(lines))
     print("\n".join(lines[lines.index("## Summary") :]))
+
+
+def _median_spread(recs) -> float | None:
+    spreads = [r["spread"] for r in recs if len(r.get("launches_s", [])) > 1]
+    return statistics.median(spreads) if spreads else None
+
+
+def _retest(recs) -> float | None:
+    if len(recs) < 3 or any(len(r.get("launches_s", [])) < 2 for r in recs):
+        return None
+    return spearman([r["launches_s"][0] for r in recs], [r["launches_s"][1] for r in recs])
+
+
+def _pct(x: float | None) -> str:
+    return "one launch" if x is None else f"{x:.0%}"
 
 
 def _plot(rows, path: Path) -> None:

@@ -10,15 +10,16 @@ What is measured, in 30-90 s on this 2-core machine depending on its load (docs/
   64 to 512 and micro-batches of 1 and 8 sequences of 128 tokens, its model FLOPs
   (`plait.models.flops`) over the time, as a fraction of the one-thread matmul measured just
   before: the layer's non-GEMM work (norms, softmax, element-wise) and small GEMMs are what make
-  narrow models and small micro-batches slower than the matmul.
+  narrow models and small micro-batches slower than the matmul. The same again as one of 2 and
+  of 4 tensor-parallel ranks computes its share (`_tp_rank_model`: narrower GEMMs, whole norms).
 * **Collectives.** Each collective plait uses (all-reduce, reduce-scatter, all-gather,
   all-to-all, send/recv), through `plait.comm` over gloo, at a few payloads each: over 2 ranks
   in a world of 2, over 4 in a world of 4, and over pairs of a world of 4 (both pairs at once,
   as tp or dp groups run). Per (op, ranks, world) the α-β model ``t = α + bus_bytes / β``
   (Hockney 1994; bus bytes as `plait.comm.ledger.bus_bytes` counts them) is fitted by least
   squares (`fit_alpha_beta`).
-* **Optimizer.** An AdamW step over 1M fp32 parameters, expressed as the memory bandwidth the
-  cost model's step term assumes.
+* **Optimizer.** AdamW steps over 4M fp32 parameters in 32 tensors, one thread, their median
+  expressed as the memory bandwidth the cost model's step term assumes.
 
 The result is cached as ``~/.cache/plait/cluster-this.toml`` (``$XDG_CACHE_HOME`` if set), a
 cluster file like any other with a ``[calibration]`` table holding what it was measured on
