@@ -1,6 +1,8 @@
 """plait plan: the stage DP against brute force, the pipeline extrapolation against the simulator,
 memory against the estimator, rejections with their reasons, the --json schema, planning a 175B
-GPT on 1024 devices, and plans that plait's own config validation accepts. No processes."""
+GPT on 1024 devices, and plans that plait's own config validation accepts; the calibration's
+cache, its tp probe against plait's tensor parallelism (2 and 4 processes), and one
+`plait train --parallel.plan auto` run."""
 
 from __future__ import annotations
 
