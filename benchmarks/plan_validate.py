@@ -324,6 +324,8 @@ def report(rows, groups, cluster, info, calib_s, total_s, repriced=False) -> Non
         + ", ".join(f"{h:g}/{t:g} tokens: {e:.2f}" for h, t, e in cluster.efficiency_curve)
         + "; as one of tp ranks, d_model/tokens/tp: "
         + ", ".join(f"{h:g}/{n:g}/{t:g}: {e:.2f}" for h, n, t, e in cluster.tp_efficiency)
+        + "; pipeline engine per micro-batch, ms: "
+        + ", ".join(f"{k} {t * 1e3:.2f}" for k, t in cluster.pipeline_overhead)
         + "; collectives: "
         + ", ".join(
             f"{op}/{n} of {w}: {ln.alpha_s * 1e6:.0f} us, {ln.beta_bps / 1e9:.2f} GB/s"

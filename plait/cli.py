@@ -500,6 +500,9 @@ def format_cluster(cluster, path) -> str:
     if cluster.tp_efficiency:
         shares = ", ".join(f"{h:g}/{n:g}/tp{t:g}: {e:.2f}" for h, n, t, e in cluster.tp_efficiency)
         lines.append(f"  as one of tp ranks (its share of the FLOPs), d_model/tokens/tp: {shares}")
+    if cluster.pipeline_overhead:
+        engine = ", ".join(f"{k} {t * 1e3:.2f}" for k, t in cluster.pipeline_overhead)
+        lines.append(f"  pipeline engine per micro-batch beyond compute, ms: {engine}")
     lines.append(f"  {'collective':<16}{'ranks':>6}{'of world':>9}{'alpha us':>10}{'beta GB/s':>11}")
     for op, n, w, link in cluster.collectives:
         lines.append(f"  {op:<16}{n:>6}{w:>9}{link.alpha_s * 1e6:>10.0f}{link.beta_bps / 1e9:>11.3f}")

@@ -224,6 +224,36 @@ def test_presets_and_optional_cluster_fields(tmp_path):
     path.write_text(path.read_text().replace("efficiency = 0.5", "efficiency = 2"))
     with pytest.raises(Exception, match="out of range"):
         load_cluster(str(path))
+    from plait.errors import ConfigError
+
+    good = path.read_text().replace("efficiency = 2", "efficiency = 0.5")
+    path.write_text(good + '[pipeline_overhead_ms]\n1f1b = 1.5\n"zb-v" = 2\n')
+    c = load_cluster(str(path))
+    assert c.pipeline_overhead_s("1f1b") == pytest.approx(1.5e-3) and c.pipeline_overhead_s("zb-v") == 2e-3
+    assert c.pipeline_overhead_s("gpipe") == 0.0
+    for bad, why in (("2f2b = 1.0", "valid: gpipe, 1f1b"), ("1f1b = -1", "milliseconds >= 0")):
+        path.write_text(good + f"[pipeline_overhead_ms]\n{bad}\n")
+        with pytest.raises(ConfigError, match=why):
+            load_cluster(str(path))
+
+
+def test_the_pipeline_engine_overhead_is_priced_per_micro_batch():
+    """The calibrated time plait's pipeline engine adds per micro-batch is spread over the
+    micro-batch's actions (F and BW, or F, B and W): the busiest rank pays it once per
+    micro-batch, so a long pipeline's step grows by m x o and, for 1F1B and ZB-H1, by little more
+    (ZB-V's V-shaped chain idles a third more with these costs); a layout without a pipeline does
+    not pay it."""
+    o, m = 2e-3, 32
+    with_o = dataclasses.replace(A100, pipeline_overhead=(("1f1b", o), ("zb-h1", o), ("zb-v", o)))
+    cfg = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128)
+    for schedule, most in (("1f1b", 1.05), ("zb-h1", 1.05), ("zb-v", 1.6)):
+        lay = Layout(dp=4, pp=2, microbatch_size=1, microbatches=m, schedule=schedule)
+        a, b = evaluate(cfg, 4 * m, lay, A100), evaluate(cfg, 4 * m, lay, with_o)
+        assert b["terms"]["pipeline_engine_s"] == pytest.approx(m * o)
+        assert a["terms"]["pipeline_engine_s"] == 0
+        assert m * o * 0.99 <= b["step_s"] - a["step_s"] <= most * m * o, schedule
+    flat = Layout(dp=8, microbatch_size=16)
+    assert evaluate(cfg, 4 * m, flat, with_o)["step_s"] == evaluate(cfg, 4 * m, flat, A100)["step_s"]
 
 
 def test_config_file_before_or_after_the_options(tmp_path, capsys):

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 """Bumped when what is measured changes: older caches are measured again."""
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20, 16 * 2**20)
@@ -193,6 +193,68 @@ def _ranks_measure(cores: int, sizes: tuple[int, ...], reps: int) -> dict:
     return {"flops": flops, "times": times}
 
 
+PIPELINE_KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+PIPE_MICRO = (4, 16)
+"""The pipeline probe's micro-batch counts: the slope between them is the per-micro-batch time."""
+
+
+def _pipeline_probe(kinds: tuple[str, ...]) -> dict:
+    """In each rank of a 2-stage pipeline (`plait.pipeline.engine.PipelineEngine`) of a tiny GPT (4
+    blocks of width 16 on 8 tokens: next to no FLOPs), the time per micro-batch of each schedule
+    (the slope of the step time between PIPE_MICRO micro-batches), less the same rank computing a
+    micro-batch of a stage's share (a plain forward + backward of the 2-block GPT, timed here): what
+    the engine adds per micro-batch beyond the compute the efficiency probe prices, its
+    actions' bookkeeping and point-to-point calls."""
+    import torch.distributed as dist
+
+    from plait.mesh import Mesh
+    from plait.models import GPT
+    from plait.models.gpt import GPTConfig
+    from plait.pipeline.engine import PipelineEngine
+
+    torch.set_num_threads(1)
+    mesh = Mesh(pp=dist.get_world_size(), watchdog=False)
+    tiny = {"vocab_size": 256, "seq_len": 8, "n_head": 2, "d_model": 16}
+    x = torch.randint(0, 256, (max(PIPE_MICRO), 8), generator=torch.Generator().manual_seed(0))
+
+    def median_s(fn, reps: int = 7) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    torch.manual_seed(0)
+    stage = GPT(GPTConfig(n_layer=2, **tiny))
+    local = median_s(lambda: stage(x[:1], x[:1]).backward())
+    out = {}
+    for kind in kinds:
+        v = 2 if kind in ("interleaved", "zb-v") else 1
+        per_m = []
+        for m in PIPE_MICRO:
+            torch.manual_seed(0)
+            engine = PipelineEngine(
+                GPT(GPTConfig(n_layer=4, **tiny)),
+                mesh,
+                lambda groups: torch.optim.SGD(groups, lr=0.0),
+                schedule=kind,
+                microbatches=m,
+                **({"virtual_stages": v} if v > 1 else {}),
+            )
+            batch = list(zip(x[:m].chunk(m), x[:m].chunk(m), strict=True))
+
+            def step(engine=engine, batch=batch, m=m):
+                engine.forward_backward(batch, 1.0 / (8 * m))
+                engine.zero_grad(set_to_none=True)
+
+            per_m.append(median_s(step))
+            engine.close()
+        out[kind] = max(0.0, (per_m[1] - per_m[0]) / (PIPE_MICRO[1] - PIPE_MICRO[0]) - local)
+    return out
+
+
 def _tp_rank_model(cfg, tp: int):
     """plait's GPT as one of `tp` tensor-parallel ranks computes it, without the collectives:
     q/k/v and the MLP's first layer split by columns (whole heads), the two output projections by
@@ -297,6 +359,8 @@ def calibrate(quiet: bool = False) -> dict:
             collectives.append(
                 {"op": op, "ranks": n, "world": world, "alpha_us": alpha * 1e6, "beta_gbps": beta / 1e9}
             )
+    probes = run_ranks(_pipeline_probe, 2, args=(PIPELINE_KINDS,), timeout=120)
+    pipeline = {k: round(max(r[k] for r in probes) * 1e3, 4) for k in PIPELINE_KINDS}
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     # A rank's peak for MFU is its one-thread matmul; what it gets with peers is rank_tflops.
     return {
@@ -314,6 +378,7 @@ def calibrate(quiet: bool = False) -> dict:
         "note": f"measured by plait plan --calibrate in {time.perf_counter() - t_start:.0f} s",
         "intra": _summary_link(collectives),
         "inter": _summary_link(collectives),
+        "pipeline_overhead_ms": pipeline,
         "collective": collectives,
         "calibration": key | {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")},
     }

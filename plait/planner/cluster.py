@@ -92,6 +92,9 @@ class Cluster:
     """Measured (d_model, tokens per micro-batch, tp, efficiency) of one of tp tensor-parallel
     ranks: its 1/tp of the model FLOPs over its time (narrower GEMMs, the norms it still does
     whole); empty: the unsplit model's efficiency for every tp."""
+    pipeline_overhead: tuple[tuple[str, float], ...] = ()
+    """Measured (schedule, seconds) that plait's pipeline engine adds per micro-batch on a rank
+    beyond the compute (its actions' bookkeeping and point-to-point calls); empty: none."""
     collectives: tuple[tuple[str, int, int, Link], ...] = ()
     """Measured (op, ranks, ranks on the node, α-β of the whole collective over its bus bytes):
     used instead of the link class where they cover the op."""
@@ -138,6 +141,10 @@ class Cluster:
                 break
         threads = max(1, self.cores // ranks) if self.cores else 1
         return min(node / active, max(node / ranks, self.peak_flops * threads))
+
+    def pipeline_overhead_s(self, schedule: str) -> float:
+        """Seconds plait's pipeline engine adds per micro-batch on a rank under `schedule`."""
+        return dict(self.pipeline_overhead).get(schedule, 0.0)
 
     def collective_link(self, op: str, ranks: int, world: int) -> Link | None:
         """The measured α-β of `op` over `ranks` ranks while `world` ranks share the node: the
@@ -322,6 +329,21 @@ def _collectives(where: str, items) -> tuple:
     return tuple(out)
 
 
+def _pipeline_overhead(where: str, table) -> tuple:
+    from plait.pipeline.schedules import SCHEDULES
+
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: [pipeline_overhead_ms] must be a table of schedule = milliseconds")
+    out = []
+    for kind, ms in table.items():
+        if kind not in SCHEDULES:
+            raise ConfigError(f"{where}: [pipeline_overhead_ms] {kind!r}; valid: {', '.join(SCHEDULES)}")
+        if isinstance(ms, bool) or not isinstance(ms, int | float) or not 0 <= ms < 1e6:
+            raise ConfigError(f"{where}: [pipeline_overhead_ms] {kind} = {ms!r}; expected milliseconds >= 0")
+        out.append((kind, float(ms) * 1e-3))
+    return tuple(out)
+
+
 def load_cluster(spec: str) -> Cluster:
     """A preset by name, `this` (this machine: `plait.planner.calibrate`), or a TOML file with the
     fields of the module docstring."""
@@ -336,7 +358,7 @@ def load_cluster(spec: str) -> Cluster:
     required = {"gpus_per_node", "peak_tflops", "memory_gb", "intra", "inter"}
     optional = {"efficiency", "usable_memory", "memory_bw_gbps", "pcie_gbps", "host_adam_params_per_s"}
     measured = {"precision", "cores", "rank_tflops", "efficiency_curve", "tp_efficiency", "collective"}
-    measured |= {"calibration"}
+    measured |= {"calibration", "pipeline_overhead_ms"}
     known = required | optional | measured | {"name", "note"}
     if missing := required - set(data):
         raise ConfigError(f"cluster file {spec!r} lacks {', '.join(sorted(missing))}")
@@ -367,6 +389,8 @@ def load_cluster(spec: str) -> Cluster:
         raise ConfigError(f"{where}: tp_efficiency needs efficiency_curve (the unsplit model's)")
     if "collective" in data:
         extra["collectives"] = _collectives(where, data["collective"])
+    if "pipeline_overhead_ms" in data:
+        extra["pipeline_overhead"] = _pipeline_overhead(where, data["pipeline_overhead_ms"])
     return Cluster(
         name=str(data.get("name", path.stem)),
         gpus_per_node=_number(where, "gpus_per_node", data["gpus_per_node"], integer=True),

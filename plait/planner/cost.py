@@ -155,7 +155,7 @@ def evaluate(
     out = _evaluate(cfg, global_batch, layout, cluster, computing=float(node_ranks), **kw)
     for _ in range(3):
         t = out["terms"]
-        cpu = t["compute_s"] + t["tp_ep_s"] + t["dp_exposed_s"] + t["step_sync_s"]
+        cpu = t["compute_s"] + t["tp_ep_s"] + t["dp_exposed_s"] + t["step_sync_s"] + t["pipeline_engine_s"]
         busy = min(1.0, cpu / out["step_s"])
         out = _evaluate(cfg, global_batch, layout, cluster, computing=max(1.0, node_ranks * busy), **kw)
     return out
@@ -245,6 +245,7 @@ def _evaluate(
     comm_f, comm_b = tp_f + ep_f + edge_f, tp_b + ep_b + edge_b
 
     # The pipeline, or the accumulation loop.
+    engine_mb = cluster.pipeline_overhead_s(lo.schedule) if lo.pp > 1 else 0.0
     p2p_bytes = act / (lo.tp if lo.sequence_parallel else 1)
     p2p_link = cluster.collective_link("send", 2, node_ranks) or links["pp"]
     p2p = p2p_link.time(p2p_bytes) if lo.pp > 1 else 0.0
@@ -252,8 +253,22 @@ def _evaluate(
         body = m * (f + b_ + w_ + comm_f + comm_b + head_f + head_b)
         bubble, in_flight, p2p_exposed = 0.0, 1.0, 0.0
     elif lo.pp > 1:
+        # What plait's engine adds per micro-batch (measured on `this`), shared by the actions of
+        # a micro-batch: F, B and W where the schedule splits the backward, else F and BW.
+        split = lo.schedule in ("zb-h1", "zb-h2", "zb-v")
+        o_f, o_b, o_w = (engine_mb / 3,) * 3 if split else (engine_mb / 2, engine_mb / 4, engine_mb / 4)
         pipe = pipeline_time(
-            lo.schedule, lo.pp, m, lo.virtual_stages, f + comm_f, b_ + comm_b, w_, p2p, 0.0, head_f, head_b
+            lo.schedule,
+            lo.pp,
+            m,
+            lo.virtual_stages,
+            f + comm_f + o_f,
+            b_ + comm_b + o_b,
+            w_ + o_w,
+            p2p,
+            0.0,
+            head_f,
+            head_b,
         )
         body, bubble, in_flight = pipe["makespan"], pipe["bubble"], pipe["peak_activations"]
         p2p_exposed = 2 * (lo.pp * lo.virtual_stages - 1) * p2p  # the fill and the drain
@@ -375,6 +390,7 @@ def _evaluate(
             "dp_grad_s": grad_t,
             "dp_exposed_s": dp_exposed,
             "step_sync_s": sync_t,
+            "pipeline_engine_s": m * engine_mb,
             "optimizer_step_s": step_t,
             "params_per_device": psi,
             "computing_ranks": computing or node_ranks,
