@@ -231,6 +231,10 @@ def test_presets_and_optional_cluster_fields(tmp_path):
     c = load_cluster(str(path))
     assert c.pipeline_overhead_s("1f1b") == pytest.approx(1.5e-3) and c.pipeline_overhead_s("zb-v") == 2e-3
     assert c.pipeline_overhead_s("gpipe") == 0.0
+    for rows in ("[[64, 128, 1, 0.2]]", "[[64, 128, 2.5, 0.2]]"):  # tp 1 belongs to efficiency_curve
+        path.write_text(f"efficiency_curve = [[64, 128, 0.3]]\ntp_efficiency = {rows}\n" + good)
+        with pytest.raises(ConfigError, match="integer >= 2"):
+            load_cluster(str(path))
     for bad, why in (("2f2b = 1.0", "valid: gpipe, 1f1b"), ("1f1b = -1", "milliseconds >= 0")):
         path.write_text(good + f"[pipeline_overhead_ms]\n{bad}\n")
         with pytest.raises(ConfigError, match=why):
@@ -253,7 +257,9 @@ def test_the_pipeline_engine_overhead_is_priced_per_micro_batch():
         assert a["terms"]["pipeline_engine_s"] == 0
         assert m * o * 0.99 <= b["step_s"] - a["step_s"] <= most * m * o, schedule
     flat = Layout(dp=8, microbatch_size=16)
-    assert evaluate(cfg, 4 * m, flat, with_o)["step_s"] == evaluate(cfg, 4 * m, flat, A100)["step_s"]
+    priced = evaluate(cfg, 4 * m, flat, with_o)
+    assert priced["step_s"] == evaluate(cfg, 4 * m, flat, A100)["step_s"]
+    assert priced["terms"]["pipeline_engine_s"] == 0
 
 
 def test_config_file_before_or_after_the_options(tmp_path, capsys):
@@ -299,8 +305,8 @@ def _fake_calibration(**key_changes) -> dict:
             for tp in (2, 4)
         ],
         "note": "made up for a test",
-        "intra": {"alpha_us": 400.0, "beta_gbps": 1.0},
-        "inter": {"alpha_us": 400.0, "beta_gbps": 1.0},
+        "intra": {"alpha_us": 50.0, "beta_gbps": 5.0},  # not the fits: a test sees which was used
+        "inter": {"alpha_us": 50.0, "beta_gbps": 5.0},
         "collective": coll,
         "calibration": machine_key() | key_changes | {"date": "2026-01-01 00:00 UTC"},
     }
@@ -542,3 +548,45 @@ def test_the_efficiency_probe_computes_what_a_tp_rank_holds(tp):
     assert all(r == ranks[0] for r in ranks)
     assert probe == ranks[0]
     assert probe["blocks.0.attn.qkv.weight"] == (3 * 64 // tp, 64)
+
+
+def test_the_step_sync_and_the_tp_share_enter_the_step(this_cache):
+    """step_sync_s is part of step_s; evaluate prices compute with the tp share's efficiency; SP's
+    partial gradients follow the blocks of a pipeline rank (k = L / pp) and the norm's bias-less
+    size, and under ZeRO-3 one all-reduce per unit of this rank's shard; the gradient norm and the
+    loss go over pp too."""
+    from plait.comm.ledger import bus_bytes
+    from plait.planner.cost import _evaluate
+
+    c = load_cluster("this")
+    cfg = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128)
+    h, s = 128, 128
+
+    def t(op, payload):  # the fake calibration's 2-of-4 fit: alpha 400 us, 1 GB/s
+        return 400e-6 + bus_bytes(op, payload, 2) / 1e9
+
+    norm = t("all_reduce", 8)
+    lay = Layout(tp=2, pp=2, sequence_parallel=True, microbatch_size=1, microbatches=2, schedule="1f1b")
+    r = evaluate(cfg, 2, lay, c)
+    x = r["terms"]
+    assert r["step_s"] == pytest.approx(
+        x["pipeline_s"] + x["dp_exposed_s"] + x["step_sync_s"] + x["optimizer_step_s"], rel=1e-12
+    )
+    k = 2  # blocks per pipeline rank
+    for bias, ln in ((True, 2), (False, 1)):
+        got = evaluate(dataclasses.replace(cfg, bias=bias), 2, lay, c)["terms"]["step_sync_s"]
+        partial = 2 * k * t("all_reduce", (ln + int(bias)) * h * 4) + t("all_reduce", (s + ln) * h * 4)
+        # the norm over tp and over pp, the loss over pp
+        assert got == pytest.approx(partial + 3 * norm, rel=1e-12), bias
+    # dp2 x tp2 + SP under ZeRO-3: the partial gradients summed once per unit (4 blocks and the
+    # root), this rank's half of them; the norm over tp and over the shards, the loss over dp.
+    z3 = Layout(dp=2, tp=2, sequence_parallel=True, zero_stage=3, microbatch_size=4)
+    got = evaluate(cfg, 8, z3, c)["terms"]["step_sync_s"]
+    half = (2 * 4 * 3 + s + 2) * h * 4 / 2
+    assert got == pytest.approx(5 * 400e-6 + bus_bytes("all_reduce", half, 2) / 1e9 + 3 * norm, rel=1e-12)
+    # compute at a fixed number of busy ranks: the tp share's efficiency, not the whole model's
+    one = Layout(tp=2, microbatch_size=8)
+    whole = dataclasses.replace(c, tp_efficiency=())
+    a = _evaluate(cfg, 8, one, c, computing=2.0)["terms"]["compute_s"]
+    b = _evaluate(cfg, 8, one, whole, computing=2.0)["terms"]["compute_s"]
+    assert a / b == pytest.approx(c.efficiency_at(h, 8 * s) / c.efficiency_at(h, 8 * s, 2), rel=1e-12)

@@ -1,6 +1,6 @@
 """`plait plan --calibrate`: measure this machine and describe it as the cluster `this`.
 
-What is measured, in 30-90 s on this 2-core machine depending on its load (docs/planner.md,
+What is measured, in about 30 s on this 2-core machine when it is quiet, more under load (docs/planner.md,
 "Calibration"):
 
 * **Compute per rank.** A large fp32 matmul in every rank at once, each with the threads plait's
@@ -18,6 +18,8 @@ What is measured, in 30-90 s on this 2-core machine depending on its load (docs/
   as tp or dp groups run). Per (op, ranks, world) the α-β model ``t = α + bus_bytes / β``
   (Hockney 1994; bus bytes as `plait.comm.ledger.bus_bytes` counts them) is fitted by least
   squares (`fit_alpha_beta`).
+* **Pipeline engine.** A 2-stage `PipelineEngine` of a tiny GPT under each schedule at 4 and 16
+  micro-batches: the time per micro-batch the engine adds beyond the compute (`_pipeline_probe`).
 * **Optimizer.** AdamW steps over 4M fp32 parameters in 32 tensors, one thread, their median
   expressed as the memory bandwidth the cost model's step term assumes.
 

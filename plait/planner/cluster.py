@@ -385,6 +385,8 @@ def load_cluster(spec: str) -> Cluster:
     for key in ("efficiency_curve", "tp_efficiency"):
         if any(e > 1 for *_, e in extra.get(key, ())):
             raise ConfigError(f"{where}: {key} efficiencies must be at most 1")
+    if any(t < 2 or t != int(t) for _, _, t, _ in extra.get("tp_efficiency", ())):
+        raise ConfigError(f"{where}: tp_efficiency's tp must be an integer >= 2 (tp 1 is efficiency_curve)")
     if extra.get("tp_efficiency") and not extra.get("efficiency_curve"):
         raise ConfigError(f"{where}: tp_efficiency needs efficiency_curve (the unsplit model's)")
     if "collective" in data:

@@ -250,7 +250,7 @@ def _evaluate(
     p2p_link = cluster.collective_link("send", 2, node_ranks) or links["pp"]
     p2p = p2p_link.time(p2p_bytes) if lo.pp > 1 else 0.0
     if lo.pp > 1 and lower_bound:
-        body = m * (f + b_ + w_ + comm_f + comm_b + head_f + head_b)
+        body = m * (f + b_ + w_ + comm_f + comm_b + head_f + head_b + engine_mb)
         bubble, in_flight, p2p_exposed = 0.0, 1.0, 0.0
     elif lo.pp > 1:
         # What plait's engine adds per micro-batch (measured on `this`), shared by the actions of
@@ -320,18 +320,28 @@ def _evaluate(
         step_t = 2 * opt_elems * (p_bytes + g_bytes + k_opt) / (cluster.memory_bw_gbps * 1e9)
     # Once per step, synchronous and small: under SP the gradients of the parameters every tp rank
     # holds whole but sees a slice of the sequence for (each block's two norms with the bias of
-    # the row-parallel layer after them; the positions and the final norm) are summed over tp;
-    # the gradient norm sums its squares over each axis that splits parameters, and the loss is
-    # summed over the data axes and pp (`plait.train.loop`'s step).
+    # the row-parallel layer after them; the positions and the final norm) are summed over tp:
+    # without ZeRO, plait's GradSync sums each run of them between the sharded gradients (two per
+    # block and one more); under ZeRO each bucket (stages 1-2: buckets of their own) or unit
+    # (stage 3) sums its share of this rank's shard. The gradient norm sums its squares over each
+    # axis that splits parameters, and the loss is summed over the data axes and pp
+    # (`plait.train.loop`'s step; the stop check's all-reduce after it is not in the step's time).
     sync_t = 0.0
     if lo.tp > 1 and lo.sequence_parallel:
         ln = 2 if cfg.bias else 1
-        sync_t += 2 * k * _ring_time(links["tp"], "all_reduce", (ln + int(cfg.bias)) * h * 4, lo.tp, **coll)
-        sync_t += _ring_time(links["tp"], "all_reduce", (s + ln) * h * 4, lo.tp, **coll)
+        partial = (2 * k * (ln + int(cfg.bias)) + s + ln) * h * g_bytes
+        if lo.zero_stage == 3:
+            msgs, partial = k + 1, partial / shard
+        elif lo.zero_stage >= 1:
+            msgs, partial = max(1, math.ceil(partial / BUCKET_BYTES)), partial / shard
+        else:
+            msgs = 2 * k + 1
+        sync_t += _ring_time(links["tp"], "all_reduce", partial, lo.tp, msgs, **coll)
     norm_axes = [(links["tp"], lo.tp), (links["pp"], lo.pp), (links["ep"], lo.ep)]
     if lo.zero_stage >= 1:
         norm_axes.append((link_d, shard))
-    for link, n in [*norm_axes, (link_d, n_data * lo.pp)]:
+    loss_link = links["pp"] if lo.pp > 1 else link_d  # pp outermost: the group spans the mesh
+    for link, n in [*norm_axes, (loss_link, n_data * lo.pp)]:
         sync_t += _scalar_all_reduce(link, n, **coll)
     step = body + dp_exposed + sync_t + step_t
 
