@@ -167,6 +167,8 @@ def main() -> int:
     )
     ap.add_argument("--tag", default="", help="results/plan_validate_TAG.* instead of plan_validate.*")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error(f"--repeat {args.repeat}: at least 1 launch per layout")
     if args.tag:
         STEM[0] = f"plan_validate_{args.tag}"
     if args.reprice:

@@ -537,13 +537,14 @@ def _tp_rank_shapes(cfg) -> dict:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_the_efficiency_probe_computes_what_a_tp_rank_holds(tp):
-    """The calibration's tp probe (`_tp_rank_model`) has, parameter by parameter, the shapes
-    plait's tensor parallelism gives one of tp ranks of the same GPT: it times a rank's share."""
-    from plait.planner.calibrate import _tp_rank_model
+    """The calibration's tp probe (`plait.planner.probes.tp_rank_model`) has, parameter by
+    parameter, the shapes plait's tensor parallelism gives one of tp ranks of the same GPT: it
+    times a rank's share."""
+    from plait.planner.probes import tp_rank_model
     from plait.testing import run_ranks
 
     cfg = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, d_model=64)
-    probe = {name: tuple(p.shape) for name, p in _tp_rank_model(cfg, tp).named_parameters()}
+    probe = {name: tuple(p.shape) for name, p in tp_rank_model(cfg, tp).named_parameters()}
     ranks = run_ranks(_tp_rank_shapes, tp, args=(cfg,))
     assert all(r == ranks[0] for r in ranks)
     assert probe == ranks[0]

@@ -154,9 +154,7 @@ def evaluate(
         return _evaluate(cfg, global_batch, layout, cluster, computing=1.0, **kw)
     out = _evaluate(cfg, global_batch, layout, cluster, computing=float(node_ranks), **kw)
     for _ in range(3):
-        t = out["terms"]
-        cpu = t["compute_s"] + t["tp_ep_s"] + t["dp_exposed_s"] + t["step_sync_s"] + t["pipeline_engine_s"]
-        busy = min(1.0, cpu / out["step_s"])
+        busy = min(1.0, out["terms"]["busy_s"] / out["step_s"])
         out = _evaluate(cfg, global_batch, layout, cluster, computing=max(1.0, node_ranks * busy), **kw)
     return out
 
@@ -378,6 +376,7 @@ def _evaluate(
 
     hw_flops = gpt_train_flops_per_token(cfg, recompute=lo.recompute) * global_batch * s
     comm_s = m * (comm_f + comm_b) + p2p_exposed + dp_exposed + sync_t
+    compute_s = m * (f + b_ + w_ + head_f + head_b)
     out = {
         "layout": lo.name(),
         **dataclasses.asdict(lo),
@@ -390,7 +389,7 @@ def _evaluate(
         "feasible": memory <= usable,
         "reason": "",
         "terms": {
-            "compute_s": m * (f + b_ + w_ + head_f + head_b),
+            "compute_s": compute_s,
             "block_s": (f + b_ + w_ + comm_f - edge_f + comm_b - edge_b)
             / k,  # one block, one micro-batch, with tp/ep
             "head_s": head_f + head_b,
@@ -401,6 +400,8 @@ def _evaluate(
             "dp_exposed_s": dp_exposed,
             "step_sync_s": sync_t,
             "pipeline_engine_s": m * engine_mb,
+            # a rank's cores in use: computing, in a collective, or in the pipeline engine
+            "busy_s": compute_s + m * (comm_f + comm_b) + dp_exposed + sync_t + m * engine_mb,
             "optimizer_step_s": step_t,
             "params_per_device": psi,
             "computing_ranks": computing or node_ranks,
