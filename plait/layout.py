@@ -1,0 +1,151 @@
+"""`Layout`: how one training job is split over its processes, in one record.
+
+The degrees (pp, dp = dp_replicate x dp_shard, ep, tp), the ZeRO stage, sequence parallelism,
+the pipeline schedule, gradient compression and offload: everything `plait.parallelize.parallelize`
+needs to turn a model part into an engine, and everything the planner enumerates. What can be
+derived from the degrees is derived here (the axes the batch is split over, the axis ZeRO shards
+over, a pipeline's micro-batches), never stored twice.
+
+The table of which features combine lives here too, as data (`COMBINATIONS`): config validation,
+the planner's enumeration, `plait.parallelize` and run-time guards all read it, and
+docs/compose.md's matrix is generated from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from plait.errors import ConfigError
+from plait.mesh import AXES
+
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "cpu", "disk")
+PRECISIONS = ("fp32", "bf16")
+SCHEDULE_VIRTUAL = {"interleaved": 2, "zb-v": 2}  # stages per rank a schedule uses by default
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The split of one job (see the module doc). Degrees are sizes of the mesh's axes, outermost
+    first: pp, dp, ep, tp; `dp_shard` > 0 splits dp into replicate x shard (hybrid sharding)."""
+
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    tp: int = 1
+    dp_shard: int = 0  # hybrid sharding: shard within groups of this many dp ranks (0: all of dp)
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    microbatches: int = 0  # a pipeline's micro-batches per step; 0: 2 x pp
+    virtual_stages: int = 0  # stages per pipeline rank; 0: the schedule's own
+    activation_checkpointing: bool = False
+    mixed_precision: str = "fp32"  # ZeRO 1-3: "bf16" parameters and gradients, fp32 master
+    offload: str = "none"  # ZeRO 1-3: where the optimizer state and step live
+    delayed_update: bool = False  # ZeRO-Offload's one-step delayed parameter update
+    offload_path: str = ""  # disk offload's directory
+    compression: str = "none"  # the gradient exchange's compressor (plait.comm.compress)
+    comm_target: str = "gradient"  # "momentum": 1-bit Adam compresses the momentum instead
+    bucket_mb: float = 25.0
+
+    # --- derived from the degrees -------------------------------------------------------------
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.ep * self.tp
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.dp_shard if self.dp_shard else 1
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.dp_shard)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes the batch is split over: dp, and ep under expert parallelism (each ep rank
+        routes its own tokens)."""
+        return ("dp", "ep") if self.ep > 1 else ("dp",)
+
+    @property
+    def shard_axis(self) -> str:
+        """The axis ZeRO shards over: dp, or its shard groups under hybrid sharding."""
+        return "dp_shard" if self.hybrid else "dp"
+
+    @property
+    def replicate_axis(self) -> str | None:
+        return "dp_replicate" if self.hybrid else None
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        return self.microbatches or 2 * self.pp
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.virtual_stages or SCHEDULE_VIRTUAL.get(self.schedule, 1)
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def combined_axes(self) -> list[tuple[str, ...]]:
+        """Every combination of two or more axes larger than one: the combined process groups a
+        mesh of these degrees builds (a quantity reduced over several axes takes one collective)."""
+        wide = [a for a in AXES if self.sizes[a] > 1]
+        return [
+            tuple(a for a in wide if mask >> wide.index(a) & 1)
+            for mask in range(1, 2 ** len(wide))
+            if bin(mask).count("1") >= 2
+        ]
+
+    def describe(self) -> str:
+        """`pp=1 x dp=2 x ep=1 x tp=1`, the degrees as the mesh prints them."""
+        return " x ".join(f"{a}={self.sizes[a]}" for a in AXES)
+
+    def check_degrees(self, world: int | None = None) -> None:
+        """Each degree a positive integer and their product the world size (when given)."""
+        for name in (*AXES, "dp_shard", "zero_stage", "microbatches", "virtual_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name in AXES else 0):
+                low = 1 if name in AXES else 0
+                raise ConfigError(f"layout {name} must be an integer >= {low}, got {v!r}")
+        if world is not None and self.world != world:
+            raise ConfigError(
+                f"layout {self.describe()} covers {self.world} ranks but there are {world} processes: "
+                f"make pp x dp x ep x tp = {world}"
+            )
+        if self.dp_shard and self.dp % self.dp_shard:
+            raise ConfigError(f"hybrid shard {self.dp_shard} must divide dp = {self.dp}")
+        assert math.prod(self.sizes.values()) == self.world
+
+    @classmethod
+    def from_config(cls, cfg) -> Layout:
+        """The layout of a parsed plait configuration (`plait.train.config.Config`: its
+        [parallel], [offload], [comm] and the train keys that shape the split)."""
+        p, o, c, t = cfg.parallel, cfg.offload, cfg.comm, cfg.train
+        return cls(
+            pp=p.pp,
+            dp=p.dp,
+            ep=p.ep,
+            tp=p.tp,
+            dp_shard=p.hybrid_shard,
+            zero_stage=p.zero_stage,
+            sequence_parallel=p.sequence_parallel,
+            schedule=p.schedule,
+            microbatches=p.microbatches,
+            virtual_stages=p.virtual_stages,
+            activation_checkpointing=t.activation_checkpointing,
+            mixed_precision="bf16" if t.bf16 and p.zero_stage > 0 else "fp32",
+            offload=o.optimizer,
+            delayed_update=o.delayed_update,
+            offload_path=o.path,
+            compression=c.compression,
+            comm_target=c.target,
+            bucket_mb=p.bucket_mb,
+        )
