@@ -167,10 +167,13 @@ def placement(kind: str, rank: int) -> tuple[int, ...]:
 
 
 def plait_setup(kind: str, mesh, tokens: int):
-    from plait.pipeline.engine import PipelineEngine
+    from plait.layout import Layout
+    from plait.parallelize import parallelize
 
     v = PLAIT[kind][0]
-    engine = PipelineEngine(_model(), mesh, _optimizer, schedule=kind, microbatches=M, virtual_stages=v)
+    engine = parallelize(
+        _model(), Layout(**mesh.sizes, schedule=kind, microbatches=M, virtual_stages=v), mesh, _optimizer
+    )
     assert tuple(engine.schedule.stages[mesh.rank("pp")]) == placement(kind, mesh.rank("pp"))
     scale = 1.0 / tokens
 

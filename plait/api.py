@@ -7,12 +7,13 @@ of Hugging Face Accelerate).
         engine.step()
     engine.save("ckpt")                                # DCP; loads at any number of ranks
 
-It applies the one parallelize path of `plait.train.build` in the same order and with the same
-functions (docs/compose.md): tensor parallel from the user's layout rules (`apply_tp`) ->
-activation checkpointing of the user's blocks -> data parallel or ZeRO 1-3 (`plait.zero.wrap`)
--> the optimizer, built by the user's factory after wrapping. Checkpoints go through
-`plait.train.checkpoint` (layout-free, so a checkpoint saved at 2 ranks loads at 1). Pipelines
-and expert parallelism are not offered here (see docs/your-model.md).
+It calls the one parallelize path, `plait.parallelize.parallelize`, as `plait train` does
+(docs/compose.md): expert parallel -> tensor parallel from the user's layout rules -> the
+pipeline cut -> activation checkpointing of the user's blocks -> data parallel or ZeRO 1-3 ->
+the optimizer, built by the user's factory after wrapping. Checkpoints go through
+`plait.train.checkpoint` (layout-free, so a checkpoint saved at 2 ranks loads at 1). Under a
+pipeline (pp > 1) the model must cut itself (plait's GPT, a Hugging Face model plait supports)
+or be an nn.Sequential, and a batch is `(inputs, targets)` whose loss the last stage computes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from torch import nn
 from plait import comm, zero
 from plait.data.batch import map_tensors, split_batch
 from plait.errors import ConfigError
+from plait.layout import Layout
 from plait.mesh import Mesh, backend_for, default_device, init_distributed
+from plait.parallelize import parallelize as parallelize_part
 
 # The keys `mesh_or_config` may hold, with their defaults (dp = None: every rank not used by tp).
 KEYS: dict[str, Any] = {
@@ -46,17 +49,19 @@ KEYS: dict[str, Any] = {
     "activation_checkpointing": False,
     "pp": 1,
     "ep": 1,
+    "schedule": "1f1b",
+    "microbatches": 0,
+    "virtual_stages": 0,
     "device": None,
     "timeout_s": 300.0,
 }
-NOT_YET = {"pp": "pipelines", "ep": "expert parallelism"}
 # What a Mesh already fixes; the other keys are `options` beside a Mesh.
 SHAPE_KEYS = ("dp", "tp", "pp", "ep", "hybrid_shard", "device", "timeout_s")
 
 
 def _settings(spec) -> dict:
     """The keys of a dict or of a ParallelConfig-like object, checked: unknown keys are errors
-    naming the nearest valid one; pp > 1 and ep > 1 are refused (not offered by this API)."""
+    naming the nearest valid one."""
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         # a plait ParallelConfig: take the keys this API knows, refuse what it cannot do
         raw = {k: v for k, v in dataclasses.asdict(spec).items() if k in KEYS}
@@ -76,20 +81,13 @@ def _settings(spec) -> dict:
             f"or a ParallelConfig, not {type(spec).__name__}"
         )
     out = {**KEYS, **raw}
-    for key, what in NOT_YET.items():
-        if out[key] != 1:
-            raise ConfigError(
-                f"parallelize: {key} = {out[key]!r}: {what} are not offered by plait.parallelize yet; "
-                f"use `plait train` for them, or set {key} = 1"
-            )
     if out["zero_stage"] not in zero.STAGES:
         raise ConfigError(f"parallelize: zero_stage = {out['zero_stage']!r}; valid: 0, 1, 2, 3")
-    for key in ("dp", "tp", "hybrid_shard"):
+    for key in ("dp", "tp", "pp", "ep", "hybrid_shard", "microbatches", "virtual_stages"):
         v = out[key]
-        if v is not None and (
-            not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "hybrid_shard" else 1)
-        ):
-            raise ConfigError(f"parallelize: {key} must be a positive integer, got {v!r}")
+        low = 1 if key in ("dp", "tp", "pp", "ep") else 0
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+            raise ConfigError(f"parallelize: {key} must be an integer >= {low}, got {v!r}")
     return out
 
 
@@ -134,8 +132,9 @@ class ParallelModel:
         mesh: the plait Mesh (named axes, ranks, the communication ledger).
         engine: the plait engine underneath (plait.engine's contract).
         rank, world: this process's global rank and the number of processes.
-        dp_rank, dp: this rank's coordinate on the data-parallel axis and its size (the batch
-            is split dp ways; tp peers see the same rows).
+        dp_rank, dp: this rank's coordinate over the axes the batch is split on (dp, or dp x ep
+            under expert parallelism) and their size (tp peers and pipeline stages see the same
+            rows).
         is_main: global rank 0 (print and write files there).
         device: the device this rank computes on.
         steps: optimizer steps taken (restored by `load`).
@@ -151,7 +150,9 @@ class ParallelModel:
         self.loss_fn = loss_fn
         self.grad_clip = grad_clip
         self.rank, self.world = mesh.global_rank, mesh.world_size
-        self.dp_rank, self.dp = mesh.rank("dp"), mesh.size("dp")
+        self._data_axes = ("dp", "ep") if mesh.size("ep") > 1 else ("dp",)
+        axis = mesh.axis_over(self._data_axes)
+        self.dp_rank, self.dp = mesh.rank(axis), mesh.size(axis)
         self.is_main = mesh.is_rank0
         self.steps = 0
         self.device = mesh.device
@@ -203,6 +204,9 @@ class ParallelModel:
         Returns the mean loss over the global batch (with average=True) as a float.
         """
         batch = map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+        if self.mesh.size("pp") > 1:
+            total = self._pipeline_step(batch)
+            return comm.all_reduce_scalar(total, self.mesh, self._data_axes) / self.dp if average else total
         parts = (
             [batch]
             if micro_batches == 1
@@ -217,7 +221,21 @@ class ParallelModel:
             total += float(loss.detach()) / len(parts)
         if not average:
             return total
-        return comm.all_reduce_scalar(total, self.mesh, ("dp",)) / self.dp
+        return comm.all_reduce_scalar(total, self.mesh, self._data_axes) / self.dp
+
+    def _pipeline_step(self, batch) -> float:
+        """One step of the pipeline schedule over `(inputs, targets)`, cut into the schedule's
+        micro-batches; the last stage computes the summed loss. Returns this rank's mean."""
+        if self.loss_fn is not None or not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ConfigError(
+                "parallelize: under a pipeline (pp > 1) a batch is (inputs, targets) and the last stage "
+                "computes the loss (the model's own, e.g. a GPT's or an nn.Sequential's loss_fn): "
+                "pass no loss_fn"
+            )
+        x, y = batch
+        m = self.engine.schedule.m
+        loss_sum = self.engine.forward_backward(list(zip(x.chunk(m), y.chunk(m))), 1.0 / y.numel())
+        return comm.all_reduce_scalar(float(loss_sum), self.mesh, ("pp",)) / y.numel()
 
     def step(self) -> float | None:
         """Clip the gradients' global norm to `grad_clip` (when set), take the optimizer step,
@@ -312,11 +330,16 @@ def parallelize(
             sequence_parallel (with tp), bucket_mb (gradient bucket size), mixed_precision
             ("bf16" from stage 1), activation_checkpointing (recompute each of `blocks`),
             device ("cpu", "cuda:0"; default the local GPU, else the CPU), timeout_s (a
-            collective pending longer is reported as a hang). pp and ep must be 1. None means
-            {} (data parallel over every rank). The process group is initialised from the
+            collective pending longer is reported as a hang), pp (pipeline stages; the model
+            must cut itself or be an nn.Sequential, and batches are `(inputs, targets)`),
+            schedule, microbatches and virtual_stages (the pipeline's: 1f1b, gpipe,
+            interleaved, zb-h1, zb-h2, zb-v), ep (expert parallelism over the model's plait MoE
+            layers: the batch is split over dp x ep). None means {} (data parallel over every
+            rank). The process group is initialised from the
             launcher's environment (RANK, WORLD_SIZE, ...) when none is, or as a group of one.
         options: the keys above that a Mesh does not fix (zero_stage, sequence_parallel,
-            bucket_mb, mixed_precision, activation_checkpointing), given beside a Mesh; beside
+            bucket_mb, mixed_precision, activation_checkpointing, schedule, microbatches,
+            virtual_stages), given beside a Mesh; beside
             a dict they are merged into it.
         loss_fn: `loss_fn(model, batch) -> scalar`, the mean loss over the batch's rows;
             default: the model's own output, called as model(*batch), model(**batch) or
@@ -375,59 +398,66 @@ def parallelize(
         s = _settings(spec)
         device, owns_group = _init_group(s["device"])
         world = dist.get_world_size()
-        tp = s["tp"]
-        dp = s["dp"] if s["dp"] is not None else world // tp
-        if dp * tp != world:
+        others = s["tp"] * s["pp"] * s["ep"]
+        dp = s["dp"] if s["dp"] is not None else world // others
+        if dp * others != world:
             raise ConfigError(
-                f"parallelize: dp = {dp} x tp = {tp} is {dp * tp} ranks but the world size is {world}: "
-                "set dp and tp so that their product is the number of processes"
+                f"parallelize: pp = {s['pp']} x dp = {dp} x ep = {s['ep']} x tp = {s['tp']} is "
+                f"{dp * others} ranks but the world size is {world}: set the degrees so that their "
+                "product is the number of processes"
             )
         if s["hybrid_shard"] and dp % s["hybrid_shard"]:
             raise ConfigError(f"parallelize: hybrid_shard = {s['hybrid_shard']} must divide dp = {dp}")
         s["dp"] = dp
-        mesh = Mesh(dp=dp, tp=tp, device=device, timeout_s=s["timeout_s"], dp_shard=s["hybrid_shard"] or None)
+        mesh = Mesh(
+            pp=s["pp"],
+            dp=dp,
+            ep=s["ep"],
+            tp=s["tp"],
+            device=device,
+            timeout_s=s["timeout_s"],
+            dp_shard=s["hybrid_shard"] or None,
+        )
     return _wrap(model, optimizer_factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks,
                  param_groups, grad_clip, scheduler, seed, (owns_group, owns_mesh))  # fmt: skip
 
 
-def _wrap(model, factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks, groups, clip, sched, seed, owns):
-    """The parallelize path of plait.train.build, in its order, for the user's model."""
-    from plait.tensor_parallel import apply_tp
-    from plait.train.recompute import apply_activation_checkpointing
+def _layout(mesh: Mesh, s: dict) -> Layout:
+    """The Layout of the mesh's degrees and the settings `s`."""
+    return Layout(
+        **mesh.sizes,
+        dp_shard=s["hybrid_shard"] or 0,
+        zero_stage=s["zero_stage"],
+        sequence_parallel=s["sequence_parallel"],
+        schedule=s["schedule"],
+        microbatches=s["microbatches"],
+        virtual_stages=s["virtual_stages"],
+        activation_checkpointing=s["activation_checkpointing"],
+        mixed_precision=s["mixed_precision"] or "fp32",
+        bucket_mb=s["bucket_mb"],
+    )
 
-    model.to(mesh.device)
-    if s["tp"] > 1:
-        apply_tp(
-            model,
-            mesh,
-            plan=tp_plan,
-            sequence_parallel=s["sequence_parallel"],
-            seed=seed + 1000 * (1 + mesh.rank("dp")),  # as plait train: one dropout stream per replica
-            rules=layout_rules,
-        )
-    elif s["sequence_parallel"] or tp_plan is not None or layout_rules is not None:
+
+def _wrap(model, factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks, groups, clip, sched, seed, owns):
+    """`plait.parallelize.parallelize` on the user's model, and the ParallelModel over its engine."""
+    if s["tp"] == 1 and (s["sequence_parallel"] or tp_plan is not None or layout_rules is not None):
         raise ConfigError("parallelize: sequence_parallel, tp_plan and layout_rules need tp > 1")
-    ids = {id(b) for b in blocks} if blocks is not None else None
-    if s["activation_checkpointing"]:
-        if blocks is not None:
-            for m in model.modules():  # the blocks given, as recompute.py wraps its own
-                if id(m) in ids:
-                    apply_activation_checkpointing(m, (type(m),))
-        elif apply_activation_checkpointing(model) == 0:
-            raise ConfigError(
-                "parallelize: activation_checkpointing needs blocks=[...] (the modules to recompute)"
-            )
-    policy = None
-    if ids is not None:
-        policy = lambda name, module: id(module) in ids  # noqa: E731
-    extra = {}
-    if s["zero_stage"] > 0:
-        extra = dict(mixed_precision=s["mixed_precision"], hybrid_shard=s["hybrid_shard"] or None)
-        if s["zero_stage"] == 3:
-            extra["wrap_policy"] = policy
-    elif s["mixed_precision"] not in (None, "fp32") or s["hybrid_shard"]:
+    if s["zero_stage"] == 0 and (s["mixed_precision"] not in (None, "fp32") or s["hybrid_shard"]):
         raise ConfigError("parallelize: mixed_precision and hybrid_shard need zero_stage >= 1")
-    engine = zero.wrap(
-        model, mesh, s["zero_stage"], factory, param_groups=groups, bucket_mb=s["bucket_mb"], **extra
+
+    def part_groups(part):  # the user's groups, restricted to the part a pipeline rank holds
+        held = {id(q) for q in part.parameters()}
+        return [{**g, "params": [q for q in g["params"] if id(q) in held]} for g in groups]
+
+    engine = parallelize_part(
+        model,
+        _layout(mesh, s),
+        mesh,
+        factory,
+        param_groups=None if groups is None else part_groups,
+        plan=tp_plan,
+        rules=layout_rules,
+        seed=seed,
+        blocks=blocks,
     )
     return ParallelModel(engine, mesh, model, loss_fn=loss_fn, grad_clip=clip, scheduler=sched, owns=owns)

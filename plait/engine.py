@@ -22,14 +22,37 @@ measured action timeline).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
+from plait import comm
+
 MicroBatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 Autocast = Callable[[], contextlib.AbstractContextManager] | None
+
+# The scale of the objective an engine backpropagates (`loss_scale` times the summed token
+# losses), for losses added where they arise (a mixture-of-experts layer's auxiliary losses,
+# plait.moe.parallel): they must be weighted as the main loss.
+_SCALE: contextvars.ContextVar[float | None] = contextvars.ContextVar("plait_objective_scale", default=None)
+
+
+@contextlib.contextmanager
+def objective_scale(scale: float):
+    """Within this context the objective is `scale` times the summed token losses."""
+    token = _SCALE.set(float(scale))
+    try:
+        yield
+    finally:
+        _SCALE.reset(token)
+
+
+def current_objective_scale() -> float | None:
+    """The scale set by `objective_scale`, or None (a mean loss per forward)."""
+    return _SCALE.get()
 
 
 @runtime_checkable
@@ -113,8 +136,6 @@ class AccumulatingEngine:
         return contextlib.nullcontext()
 
     def forward_backward(self, micro_batches: MicroBatches, loss_scale: float, autocast: Autocast = None):
-        from plait.moe.parallel import objective_scale  # auxiliary losses weighted as the main one
-
         total = None
         for i, (x, y) in enumerate(micro_batches):
             sync = contextlib.nullcontext() if i == len(micro_batches) - 1 else self.no_sync()
@@ -147,8 +168,6 @@ def global_grad_norm(mesh, parts) -> float:
     over; their squares are summed over those axes (a gradient replicated over an axis is counted
     once by not naming it). Parts that share an axis are reduced together: one small all-reduce
     per axis at most."""
-    from plait import comm
-
     parts = [(list(grads), tuple(axes)) for grads, axes in parts]
     sq = torch.zeros(len(parts), dtype=torch.float64, device=mesh.device)
     for i, (grads, _) in enumerate(parts):

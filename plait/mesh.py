@@ -26,11 +26,6 @@ from plait.errors import TopologyError
 
 AXES = ("pp", "dp", "ep", "tp")
 WORLD = "world"  # a pseudo-axis spanning every rank of the mesh
-# Combined axes every Mesh builds once, as real process groups (one collective instead of one per
-# axis): dense gradients with experts on ep (dp x ep), a loss over the pipeline's data-parallel
-# replicas (pp x dp), everything but tensor parallelism (pp x dp x ep).
-# ZeRO over a tensor-parallel model saves a tensor split both ways over dp x tp.
-DERIVED = (("dp", "ep"), ("pp", "dp"), ("pp", "dp", "ep"), ("dp", "tp"), ("dp", "ep", "tp"))
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -158,10 +153,11 @@ class Mesh:
             and optimizer state are sharded here) and "dp_replicate" (across groups, same
             coordinate: shards are replicated here). Must divide dp.
 
-    Combined axes: the mesh also builds, once, process groups over several axes at a time
-    (DERIVED: "dp*ep", "pp*dp", "pp*dp*ep", "dp*tp", "dp*ep*tp"), usable by name like any axis,
-    so that a quantity reduced over several axes takes one collective (`axis_over(("pp",
-    "dp"))` names it).
+    Combined axes: any set of axes is usable by name like one axis ("pp*dp", "dp*ep*tp"), so
+    that a quantity reduced over several axes takes one collective (`axis_over(("pp", "dp"))`
+    names it). Their process groups follow from the degrees: the mesh builds one, once, for
+    every combination of two or more axes larger than 1; a combination with at most one such
+    axis is that axis's group (or none).
     """
 
     def __init__(
@@ -216,8 +212,10 @@ class Mesh:
         if dp_shard is not None:
             self._split_dp(dp_shard)
         self._combined: dict[tuple[str, ...], dist.ProcessGroup] = {}
-        for axes in DERIVED:
-            self._derive(axes)
+        wide = [a for a in AXES if sizes[a] > 1]
+        for n in range(2, len(wide) + 1):  # every rank creates every group, in the same order
+            for axes in itertools.combinations(wide, n):
+                self._combined[axes], _ = dist.new_subgroups_by_enumeration(combined_groups(sizes, axes))
         self.timeout_s = float(timeout_s)
         self.ledger = Ledger()
         self.recorder = FlightRecorder(rank=self.global_rank)
@@ -258,37 +256,40 @@ class Mesh:
                 group, _ = dist.new_subgroups_by_enumeration(groups)
             self._sub[axis] = (size, mine.index(self.global_rank), mine, group)
 
-    def _derive(self, axes: tuple[str, ...]) -> None:
-        """Build the combined axis over `axes` (every rank creates every group, in order). With
-        fewer than two of them larger than 1 it is that axis's group, or none."""
+    def _derive(self, axes: tuple[str, ...]) -> str:
+        """Register the combined axis over `axes` (its group built at construction, or the one
+        axis larger than 1 among them, or none) and return its name."""
         name = derived_axis_name(axes)
-        lines = combined_groups(self.sizes, axes)
-        mine = next(line for line in lines if self.global_rank in line)
-        wide = tuple(a for a in AXES if a in axes and self.sizes[a] > 1)
-        if len(wide) < 2:
-            group = self._groups[wide[0]] if wide else None
-        elif wide in self._combined:  # e.g. pp*dp*ep is pp*dp when ep = 1: one group for both
-            group = self._combined[wide]
-        else:
-            group, _ = dist.new_subgroups_by_enumeration(lines)
-            self._combined[wide] = group
-        self._sub[name] = (len(mine), mine.index(self.global_rank), mine, group)
+        if name not in self._sub:
+            lines = combined_groups(self.sizes, axes)
+            mine = next(line for line in lines if self.global_rank in line)
+            wide = tuple(a for a in AXES if a in axes and self.sizes[a] > 1)
+            group = self._combined[wide] if len(wide) > 1 else (self._groups[wide[0]] if wide else None)
+            self._sub[name] = (len(mine), mine.index(self.global_rank), mine, group)
+        return name
 
     def axis_over(self, axes) -> str | None:
         """The one axis that covers every axis of `axes` at once: the axis itself for one, the
-        combined axis for several (built with the mesh: see DERIVED), or None when that
-        combination was not built."""
+        combined axis for several of the base axes, or None for a combination the mesh has no
+        group for (a hybrid shard axis with another, except the "dp_shard*tp" it builds)."""
         axes = tuple(a for axis in axes for a in axis.split("*"))  # combined axes flattened
         if len(axes) == 1:
             return axes[0]
-        name = derived_axis_name(axes)
-        return name if name in self._sub else None
+        if not all(a in AXES for a in axes):
+            name = "*".join(axes)
+            return name if name in self._sub else None
+        return self._derive(axes)
 
     def has_axis(self, axis: str) -> bool:
         """Whether `axis` names an axis of this mesh (a base, hybrid or combined one)."""
-        return axis in self.sizes or axis == WORLD or axis in self._sub
+        if axis in self.sizes or axis == WORLD or axis in self._sub:
+            return True
+        parts = axis.split("*")
+        return len(parts) > 1 and len(set(parts)) == len(parts) and all(a in AXES for a in parts)
 
     def _check_axis(self, axis: str) -> None:
+        if self.has_axis(axis) and axis not in self._sub and "*" in axis:
+            self._derive(tuple(axis.split("*")))
         if axis not in self.sizes and axis != WORLD and axis not in self._sub:
             extra = "".join(f", {a!r}" for a in self._sub)
             raise TopologyError(

@@ -208,7 +208,7 @@ def reduce_axis(p: torch.Tensor, mesh, data_axes: tuple[str, ...]) -> str:
         return data_axes[0]  # nothing to reduce over (a size-1 axis: no communication)
     axis = mesh.axis_over(axes)
     if axis is None:
-        raise ValueError(f"the mesh has no combined axis over {axes}; see plait.mesh.DERIVED")
+        raise ValueError(f"the mesh has no combined axis over {axes} (see plait.mesh.Mesh.axis_over)")
     return axis
 
 

@@ -47,7 +47,9 @@ def _mesh_and_ops():
     assert (
         c.axis_over(("dp", "pp")) == "pp*dp"
         and c.axis_over(("dp", "tp")) == "dp*tp"
-        and c.axis_over(("ep", "tp")) is None
+        and c.axis_over(("ep", "tp")) == "ep*tp"
+        and c.size("ep*tp") == 1
+        and c.group("ep*tp") is None
     )
     c.ledger.set_step(5)
     assert comm.all_reduce_scalar(rank + 1, c, ("dp", "pp")) == 10.0

@@ -5,13 +5,17 @@ clipping, and SGD without clipping (a gradient of the wrong scale changes the tr
 once). Losses, gradient norms and gathered parameters within 1e-5. End to end, `plait train`
 checkpoints saved under one layout resume under another with the uninterrupted run's losses."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import SGD, TINY, assert_runs_match, resume_job, side_by_side, train_job
 
+from plait.layout import Layout
 from plait.models import GPT, gpt_config
 from plait.optim import param_groups
+from plait.parallelize import parallelize
 from plait.testing import (
     assert_clipped,
     assert_close_grad_norms,
@@ -113,22 +117,15 @@ def _pipeline(mesh, sp=False, sgd=False, kind="1f1b", m=2, zero=1, hook=None):
     """ZeRO-1 within the stages of a 2-stage pipeline (tensor parallel when the mesh has tp):
     per step the global loss and norm; the whole parameters of this rank's stages."""
     from plait import comm
-    from plait.pipeline.engine import PipelineEngine
-    from plait.tensor_parallel import apply_tp
 
-    model = _model()
-    if mesh.size("tp") > 1:
-        model = apply_tp(model, mesh, sequence_parallel=sp)
-    engine = PipelineEngine(
-        model,
+    layout = Layout(**mesh.sizes, zero_stage=zero, sequence_parallel=sp, schedule=kind, microbatches=m)
+    engine = parallelize(
+        _model(),
+        dataclasses.replace(layout, bucket_mb=0.05),
         mesh,
         _sgd if sgd else _adamw,
-        schedule=kind,
-        microbatches=m,
         param_groups=lambda mod: param_groups(mod, 0.1),
-        zero_stage=zero,
         comm_hook=_hook(hook),
-        bucket_mb=0.05,
     )
     dp, r = mesh.size("dp"), mesh.rank("dp")
     rows = BATCH // dp
@@ -185,16 +182,14 @@ def _sequential_reference():
 def _sequential_pipeline(mesh):
     """The tied nn.Sequential cut into 2 stages (split by parameter count) with ZeRO-1 over dp."""
     from plait import comm
-    from plait.pipeline.engine import PipelineEngine
 
-    engine = PipelineEngine(
+    engine = parallelize(
         _tied_sequential(),
+        Layout(**mesh.sizes, zero_stage=1, microbatches=2),
         mesh,
         _adamw,
-        microbatches=2,
         split="params",
         param_groups=lambda mod: param_groups(mod, 0.1),
-        zero_stage=1,
     )
     dp, r = mesh.size("dp"), mesh.rank("dp")
     rows = BATCH // dp

@@ -32,8 +32,10 @@ the ledger and static facts (flat layouts, placements).
 import pytest
 import torch
 
+from plait.layout import Layout
 from plait.models import GPT, gpt_config
 from plait.optim import param_groups
+from plait.parallelize import parallelize
 from plait.testing import run_ranks
 
 ROWS, SEQ = 4, 32  # sequences per data-parallel rank per step, and their length
@@ -118,16 +120,12 @@ def _zero_tp(mesh, stage: int, sp: bool, n_layer: int) -> dict:
 
 
 def _pipeline(mesh, zero: int) -> dict:
-    from plait.pipeline.engine import PipelineEngine
-
-    engine = PipelineEngine(
+    engine = parallelize(
         _model(),
+        Layout(**mesh.sizes, zero_stage=zero, microbatches=MICRO),
         mesh,
         _adamw,
-        schedule="1f1b",
-        microbatches=MICRO,
         param_groups=lambda mod: param_groups(mod, 0.1),
-        zero_stage=zero,
     )
     local_numel = sum(p.numel() for p in engine.raw.parameters())  # this pipeline rank's stage
     mesh.ledger.clear()

@@ -278,18 +278,18 @@ def test_bad_input_is_one_clear_error(runs):
     assert (
         "tp = 2 needs layout rules for Net" in errors["tp_no_rules"] and "tp_plan=" in errors["tp_no_rules"]
     )
-    assert "dp = 4 x tp = 1 is 4 ranks but the world size is 2" in errors["dp4"]
+    assert "pp = 1 x dp = 4 x ep = 1 x tp = 1 is 4 ranks but the world size is 2" in errors["dp4"]
     assert "options key 'dp' is fixed by the Mesh given" in errors["mesh_dp"]
     make = OPTIMIZERS["sgd"][0]
     # refused before any process group exists
     with pytest.raises(ConfigError, match=r"unknown key 'dq' in mesh_or_config \(did you mean 'dp'\?\)"):
         plait.parallelize(ex.Net(), make, {"dq": 2})
-    with pytest.raises(ConfigError, match="pp = 2: pipelines are not offered by plait.parallelize"):
-        plait.parallelize(ex.Net(), make, {"pp": 2})
+    with pytest.raises(ConfigError, match="pp must be an integer >= 1, got 0"):
+        plait.parallelize(ex.Net(), make, {"pp": 0})
     from plait.train.config import ParallelConfig
 
-    with pytest.raises(ConfigError, match="pp = 2: pipelines are not offered"):  # plait train's section
-        plait.parallelize(ex.Net(), make, ParallelConfig(pp=2))
+    with pytest.raises(ConfigError, match="ep must be an integer >= 1, got 0"):  # plait train's section
+        plait.parallelize(ex.Net(), make, ParallelConfig(ep=0))
     with pytest.raises(ConfigError, match="zero_stage = 4"):
         plait.parallelize(ex.Net(), make, {"zero_stage": 4})
     model = ex.Net()

@@ -3,13 +3,17 @@ interleaved and ZB-V), dp=2 x pp=2 and tp=2 x pp=2 (with and without sequence pa
 Losses and gradients within 1e-6 of single-process training on the same model, data and seed;
 parameters after three optimizer steps within 1e-5."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from plait.engine import Engine, RecordsTimeline
 from plait.errors import ConfigError, PipelineError
+from plait.layout import Layout
 from plait.models import GPT, gpt_config
 from plait.optim import param_groups
+from plait.parallelize import parallelize
 from plait.testing import (
     assert_clipped,
     assert_close_grad_norms,
@@ -65,23 +69,10 @@ def _pipeline_run(mesh, kind, m, v=None, tp=False, recompute=False, sp=False):
     """Train STEPS steps with `kind`; returns (losses, gradient norms, first-step grads, params)
     of this rank's part."""
     from plait import comm
-    from plait.pipeline.engine import PipelineEngine
 
-    model = _model()
-    if tp:
-        from plait.tensor_parallel import apply_tp
-
-        model = apply_tp(model, mesh, sequence_parallel=sp)
-    engine = PipelineEngine(
-        model,
-        mesh,
-        _opt,
-        schedule=kind,
-        microbatches=m,
-        virtual_stages=v,
-        param_groups=lambda mod: param_groups(mod, 0.1),
-        recompute=recompute,
-    )
+    layout = Layout(**mesh.sizes, sequence_parallel=sp, schedule=kind, microbatches=m)
+    layout = dataclasses.replace(layout, virtual_stages=v or 0, activation_checkpointing=recompute)
+    engine = parallelize(_model(), layout, mesh, _opt, param_groups=lambda mod: param_groups(mod, 0.1))
     assert isinstance(engine, Engine) and isinstance(engine, RecordsTimeline)
     dp, r = mesh.size("dp"), mesh.rank("dp")
     rows = BATCH // dp
@@ -201,7 +192,6 @@ def _measured_vs_simulated():
 
     from plait import comm
     from plait.mesh import Mesh
-    from plait.pipeline.engine import PipelineEngine
     from plait.pipeline.simulate import Costs, simulate
 
     mesh = Mesh(pp=2, timeout_s=120)
@@ -210,7 +200,9 @@ def _measured_vs_simulated():
     out = {}
     for kind in ("1f1b", "zb-h1"):
         torch.manual_seed(0)
-        engine = PipelineEngine(GPT(gpt_config("small")), mesh, _opt, schedule=kind, microbatches=4)
+        engine = parallelize(
+            GPT(gpt_config("small")), Layout(pp=2, schedule=kind, microbatches=4), mesh, _opt
+        )
         pairs = []
         for _ in range(4):
             comm.barrier(mesh, "pp")

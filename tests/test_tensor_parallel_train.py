@@ -5,7 +5,7 @@ same losses as the uninterrupted run."""
 import pytest
 from conftest import TINY, assert_runs_match, losses, resume_job, side_by_side
 
-from plait.zero.state import range_boxes, saved_shape
+from plait.state import range_boxes, saved_shape
 
 TP = ("--model.n_head", "4")
 TP2 = ("--parallel.tp", "2", "--parallel.dp", "1")

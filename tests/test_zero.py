@@ -80,7 +80,7 @@ def _reference(kind="gpt", opt="adamw", delayed=False, recompute=False):
     (w_t+1 = w_t - update(grad at w_t-1)). SGD runs without clipping."""
     model = _gpt() if kind == "gpt" else _mlp()
     if recompute:
-        from plait.train.recompute import apply_activation_checkpointing
+        from plait.recompute import apply_activation_checkpointing
 
         apply_activation_checkpointing(model)
     groups = param_groups(model, 0.1)
@@ -114,7 +114,7 @@ def _reference(kind="gpt", opt="adamw", delayed=False, recompute=False):
 
 def _train_config(mesh, name, stage, kind="gpt", opt="adamw", **opts):
     """Train one configuration on this rank; returns what the parent checks."""
-    from plait.train.recompute import apply_activation_checkpointing
+    from plait.recompute import apply_activation_checkpointing
 
     model = _gpt() if kind == "gpt" else _mlp()
     if opts.pop("recompute", False):

@@ -18,35 +18,16 @@ objective's scale for the auxiliary losses, and the statistics a trainer logs.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import torch
 from torch import nn
 
+from plait.engine import current_objective_scale, objective_scale
 from plait.errors import ConfigError
 from plait.moe.experts import EXPERT_ATTR, Experts
 from plait.moe.layer import MoE, MoEStats
 from plait.placement import Shard, set_shard
 
 __all__ = ["StatsHolder", "apply_ep", "current_objective_scale", "moe_stats", "objective_scale"]
-
-_SCALE: contextvars.ContextVar[float | None] = contextvars.ContextVar("plait_moe_objective", default=None)
-
-
-@contextlib.contextmanager
-def objective_scale(scale: float):
-    """Within this context the objective is `scale · Σ token losses` (see the module doc)."""
-    token = _SCALE.set(float(scale))
-    try:
-        yield
-    finally:
-        _SCALE.reset(token)
-
-
-def current_objective_scale() -> float | None:
-    """The scale set by `objective_scale`, or None (a mean loss per forward)."""
-    return _SCALE.get()
 
 
 @torch.no_grad()

@@ -152,10 +152,11 @@ def pipeline_probe(kinds: tuple[str, ...]) -> dict:
     actions' bookkeeping and point-to-point calls."""
     import torch.distributed as dist
 
+    from plait.layout import Layout
     from plait.mesh import Mesh
     from plait.models import GPT
     from plait.models.gpt import GPTConfig
-    from plait.pipeline.engine import PipelineEngine
+    from plait.parallelize import parallelize
 
     torch.set_num_threads(1)
     mesh = Mesh(pp=dist.get_world_size(), watchdog=False)
@@ -171,13 +172,11 @@ def pipeline_probe(kinds: tuple[str, ...]) -> dict:
         per_m = []
         for m in PIPE_MICRO:
             torch.manual_seed(0)
-            engine = PipelineEngine(
+            engine = parallelize(
                 GPT(GPTConfig(n_layer=4, **tiny)),
+                Layout(**mesh.sizes, schedule=kind, microbatches=m, virtual_stages=v),
                 mesh,
                 lambda groups: torch.optim.SGD(groups, lr=0.0),
-                schedule=kind,
-                microbatches=m,
-                **({"virtual_stages": v} if v > 1 else {}),
             )
             batch = list(zip(x[:m].chunk(m), x[:m].chunk(m), strict=True))
 

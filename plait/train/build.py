@@ -1,54 +1,39 @@
-"""Build the engine the configuration asks for: the model's parallel wrapping (data parallel,
-ZeRO 1-3, a pipeline) and its optimizer, behind the engine contract of plait.engine."""
+"""Build the engine the configuration asks for (through the one path, `plait.parallelize`) and
+describe it at start-up."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
-from plait import zero
 from plait.comm.compress import make_compressor
 from plait.engine import Engine
+from plait.layout import Layout
 from plait.mesh import Mesh
 from plait.optim import allreduce_norms, param_groups
 from plait.optim import build_optimizer as make_optimizer
 from plait.optim.onebit_adam import MomentumHook, OneBitAdam
-from plait.tensor_parallel import apply_tp
-from plait.train.config import Config, pipeline_shape
-from plait.train.recompute import apply_activation_checkpointing
+from plait.parallelize import parallelize
+from plait.train.config import Config
 
 
 def micro_batches_per_step(cfg: Config) -> int:
     """Micro-batches per dp rank per step: a pipeline's schedule's, else train.micro_batches."""
-    return pipeline_shape(cfg)[0] if cfg.parallel.pp > 1 else cfg.train.micro_batches
+    return Layout.from_config(cfg).pipeline_microbatches if cfg.parallel.pp > 1 else cfg.train.micro_batches
 
 
 def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -> Engine:
-    """Parallelize `raw` in torchtitan's order: tensor parallel (Megatron-LM's split, its own
-    dropout stream per dp replica) -> activation checkpointing -> a pipeline, data parallel or
-    ZeRO (plait.zero.wrap) with the configured optimizer. Weight decay (and LAMB/LARS's trust
-    ratio) on matrices only; sharded LAMB/LARS reduce their per-layer norms over the shard axis,
-    so each shard sees its whole layer's norms."""
-    t, p, o = cfg.train, cfg.parallel, cfg.offload
-    if p.ep > 1:  # each MoE layer keeps this rank's experts; tokens reach them by all-to-all
-        from plait.moe.parallel import apply_ep
-
-        apply_ep(raw, mesh)
-    if p.tp > 1:
-        apply_tp(
-            raw,
-            mesh,
-            sequence_parallel=p.sequence_parallel,
-            seed=t.seed + 1000 * (1 + mesh.rank("dp")),
-            rules=getattr(raw, "layout_rules", None),  # a python: source's; plait's GPT: every dim split
-        )
-    if t.activation_checkpointing and p.pp == 1:  # a pipeline recomputes per stage
-        apply_activation_checkpointing(raw)
-    shard_axis = "dp_shard" if p.hybrid_shard else "dp"
-    reducer = allreduce_norms(mesh, shard_axis) if p.zero_stage >= 1 else None
-
-    c = cfg.comm
+    """The engine of `plait train`: `plait.parallelize.parallelize` on the configured layout, with
+    the configured optimizer and gradient compression. Weight decay (and LAMB/LARS's trust ratio)
+    on matrices only; sharded LAMB/LARS reduce their per-layer norms over the shard axis, so each
+    shard sees its whole layer's norms."""
+    t, c = cfg.train, cfg.comm
+    layout = Layout.from_config(cfg)
+    if layout.offload == "disk" and not layout.offload_path:
+        layout = dataclasses.replace(layout, offload_path=str(run_dir / "offload"))
+    reducer = allreduce_norms(mesh, layout.shard_axis) if layout.zero_stage >= 1 else None
     compressor = make_compressor(  # None without compression
         c.compression,
         topk_ratio=c.topk_ratio,
@@ -58,9 +43,6 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
     momentum_hook = None
     if c.target == "momentum":  # 1-bit Adam: the optimizer exchanges the momentum, compressed
         momentum_hook = MomentumHook(compressor, c.freeze_step)
-    # what replaces the gradient reduction's collective: the bucket all-reduce (data parallel)
-    # or reduce-scatter (ZeRO-1/2), in every layout
-    comm_hook = momentum_hook or compressor
 
     def factory(groups):
         if momentum_hook is not None:
@@ -74,49 +56,17 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
             norm_reducer=reducer,
         )
 
-    data_axes = ("dp", "ep") if p.ep > 1 else ("dp",)  # the batch is split over dp x ep
-    if p.pp > 1:
-        from plait.pipeline.engine import PipelineEngine
-
-        m, v = pipeline_shape(cfg)
-        return PipelineEngine(
-            raw,
-            mesh,
-            factory,
-            schedule=p.schedule,
-            microbatches=m,
-            virtual_stages=v,
-            recompute=t.activation_checkpointing,
-            param_groups=lambda part: param_groups(part, t.weight_decay),
-            zero_stage=p.zero_stage,
-            bucket_mb=p.bucket_mb,
-            comm_hook=comm_hook,
-            data_axes=data_axes,
-            zero_options=dict(
-                shard_axis=shard_axis,
-                replicate_axis="dp_replicate" if p.hybrid_shard else None,
-            ),
-        )
-
-    # stage 0: the bucket all-reduce; stages 1-3: the bucket (unit) reduce-scatter
-    # under ep, ZeRO shards the experts over dp and the rest over dp x ep
-    extra = {"comm_hook": comm_hook, "data_axes": data_axes}
-    if p.zero_stage > 0:
-        extra.update(
-            mixed_precision="bf16" if t.bf16 else None,
-            hybrid_shard=p.hybrid_shard or None,
-            offload=o.optimizer,
-            offload_path=(o.path or str(run_dir / "offload")) if o.optimizer == "disk" else None,
-            delayed_update=o.delayed_update,
-        )
-    return zero.wrap(
+    return parallelize(
         raw,
+        layout,
         mesh,
-        p.zero_stage,
         factory,
-        param_groups=param_groups(raw, t.weight_decay),
-        bucket_mb=p.bucket_mb,
-        **extra,
+        param_groups=lambda part: param_groups(part, t.weight_decay),
+        rules=getattr(raw, "layout_rules", None),  # a python: source's; plait's GPT: every dim split
+        seed=t.seed,
+        # what replaces the gradient reduction's collective: the bucket all-reduce (data
+        # parallel) or reduce-scatter (ZeRO), in every layout
+        comm_hook=momentum_hook or compressor,
     )
 
 

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from plait import comm
 from plait.errors import CheckpointError, DivergedError
 from plait.mesh import Mesh
-from plait.zero.state import group_options, set_group_options
+from plait.state import group_options, set_group_options
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"

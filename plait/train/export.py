@@ -146,7 +146,7 @@ def read_model_state(ckpt: str | Path, model: torch.nn.Module) -> dict[str, torc
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from plait.zero.state import saved_shape
+    from plait.state import saved_shape
 
     ckpt = Path(ckpt)
     try:

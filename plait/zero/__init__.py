@@ -13,17 +13,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from plait.engine import AccumulatingEngine, global_grad_norm
+from plait.data_parallel.engine import DataParallelEngine
 from plait.errors import ConfigError
 from plait.flat import FlatLayout, Segment, storage_bytes
 from plait.mesh import Mesh
-from plait.placement import gather_full, norm_parts, placement
 from plait.zero.estimate import activation_bytes, estimate_memory, model_state_bytes_formula
 from plait.zero.offload_disk import DiskStateOptimizer, OffloadError
 from plait.zero.optimizer import ZeroOptimizer
 from plait.zero.shard import ZeroStage3, default_wrap_policy
 from plait.zero.sharded import OFFLOADS, OptimizerFactory, ShardedOptimizer
-from plait.zero.state import plain_state
 from plait.zero.tiling import TiledLinear
 
 __all__ = [
@@ -36,7 +34,6 @@ __all__ = [
     "STAGES",
     "Segment",
     "ShardedOptimizer",
-    "Stage0",
     "ZeroOptimizer",
     "ZeroStage3",
     "activation_bytes",
@@ -49,76 +46,6 @@ __all__ = [
 
 STAGES = (0, 1, 2, 3)
 MIXED_PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class Stage0(AccumulatingEngine):
-    """Stage 0: plain data parallelism (`DataParallel`) and an unsharded optimizer, behind the
-    engine contract (plait.engine) as the ZeRO stages."""
-
-    def __init__(self, module: nn.Module, mesh: Mesh, factory: OptimizerFactory, param_groups, **ddp):
-        from plait.data_parallel import DataParallel
-
-        self.module = DataParallel(module, mesh, **ddp)
-        self.raw = module
-        self.mesh = mesh
-        self.optimizer = factory(param_groups if param_groups is not None else list(module.parameters()))
-
-    def grad_norm(self) -> float:
-        """The global gradient norm: shards (by their placements) summed over their axes,
-        replicas counted once. (Gradients partial over tp were summed there by DataParallel's
-        synchroniser, by their placements.)"""
-        pairs = [(placement(p), p.grad) for p in self.raw.parameters() if p.grad is not None]
-        every = [placement(p) for p in self.raw.parameters()]
-        return global_grad_norm(self.mesh, norm_parts(pairs, self.mesh, (), every))
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale the gradients so their global norm is at most `max_norm` (torch's rule)."""
-        norm = self.grad_norm()
-        params = [p for p in self.raw.parameters() if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(norm), foreach=True)
-        return norm
-
-    @property
-    def comm_hook(self):
-        return self.module.comm_hook
-
-    def set_lr_scale(self, scale: float) -> None:
-        self.module.set_lr_scale(scale)
-
-    def residual_buffers(self) -> dict[str, torch.Tensor] | None:
-        return self.module.residual_buffers()
-
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def no_sync(self):
-        return self.module.no_sync()
-
-    def memory(self) -> dict:
-        params = storage_bytes(list(self.raw.parameters()))
-        grads = storage_bytes([b.buffer for b in self.module.buckets])
-        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        optim = storage_bytes(state)
-        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
-
-    def finish(self) -> None:
-        pass
-
-    def checkpoint_state(self) -> tuple[dict, dict]:
-        return plain_state(self.raw, self.optimizer, mesh=self.mesh)
-
-    def checkpoint_loaded(self) -> None:
-        pass  # loaded in place into the parameters and optimizer state
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole (tensor- and expert-parallel shards gathered by their placements)."""
-        return {n: gather_full(p, self.mesh) for n, p in self.raw.named_parameters()}
-
-    def close(self) -> None:
-        self.module.remove_hooks()
 
 
 def wrap(
@@ -139,6 +66,9 @@ def wrap(
     allow_unused: bool = False,
     comm_hook=None,
     data_axes: tuple[str, ...] = ("dp",),
+    trigger: str = "hook",
+    names: dict[int, str] | None = None,
+    norm_axes: tuple[str, ...] = (),
 ):
     """Shard `model` and its optimizer over the mesh's dp axis with ZeRO stage `stage`.
 
@@ -168,6 +98,13 @@ def wrap(
             dense gradients are averaged over dp x ep, experts' over dp (their replicas), and
             from stage 1 each is sharded over those axes (a ZeRO-3 block holding both becomes
             one unit per axis).
+        trigger: "hook" (the gradient exchange starts from per-parameter hooks during backward)
+            or "manual" (the owner calls `grads_ready` / `finish_grads`: a pipeline, whose
+            schedule knows when a stage's gradients are complete). Under "manual", ZeRO-3 keeps
+            only the parameter shards between steps and gathers them once per step
+            (`gather_params`), not once per unit and micro-batch.
+        names: parameter id -> the name checkpoints use (a pipeline rank's part of a model under
+            the whole model's names); `norm_axes`: more axes the gradient norm sums over (pp).
 
     Returns an engine with `module` (call it), `optimizer` (the torch optimizer, for LR
     schedulers), `step()`, `zero_grad()`, `clip_grad_norm_(max)`, `grad_norm()`, `no_sync()`,
@@ -199,11 +136,14 @@ def wrap(
                 "zero_stage = 0 (plain data parallel) takes no mixed_precision policy, offload or "
                 "hybrid_shard; use zero_stage >= 1"
             )
-        return Stage0(
+        return DataParallelEngine(
             model,
             mesh,
             optimizer,
             param_groups,
+            names=names,
+            norm_axes=norm_axes,
+            trigger=trigger,
             bucket_mb=bucket_mb,
             allow_unused=allow_unused,
             comm_hook=comm_hook,
@@ -236,17 +176,23 @@ def wrap(
         delayed_update=delayed_update,
         data_axes=data_axes,
     )
-    if stage in (1, 2):
+    if stage in (1, 2) or trigger == "manual":
+        if param_groups is not None and not isinstance(param_groups[0], dict):
+            common["param_groups"] = [{"params": param_groups}]
         engine = ZeroOptimizer(
             model,
             mesh,
             optimizer,
-            stage=stage,
+            stage=min(stage, 2),
+            reshard_after_step=stage == 3,
             bucket_mb=bucket_mb,
             allow_unused=allow_unused,
             comm_hook=comm_hook,
+            trigger=trigger,
+            names=names,
             **common,
         )
+        engine.shards.norm_axes = norm_axes
     else:
         engine = ZeroStage3(
             model,

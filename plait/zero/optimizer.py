@@ -256,6 +256,20 @@ class ZeroOptimizer(ShardedEngine):
                 free_storage(b.flat)
             self._gathered = False
 
+    # the manual trigger's interface (plait.data_parallel.engine has the same): the gradients are
+    # reduce-scattered once the step's are complete, not as a pipeline's stages finish
+    overlaps_backward = False
+
+    def grads_ready(self, params) -> None:
+        pass
+
+    def skip_in_norm(self, names) -> None:
+        """Leave these parameters out of the gradient norm (another rank counts them)."""
+        self.shards.norm_skip.update(names)
+
+    def finish_grads(self) -> None:
+        self.reduce_grads()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.shards.zero_grad()
         self._reduced = False

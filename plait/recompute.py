@@ -12,24 +12,20 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from plait.engine import model_blocks
 
-def apply_activation_checkpointing(model: nn.Module, block_types: tuple[type, ...] | None = None) -> int:
-    """Recompute every submodule of one of `block_types` in backward (default: the blocks the
-    model declares, `plait.engine.model_blocks`).
+
+def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module] | None = None) -> int:
+    """Recompute each of `blocks` (default: the blocks the model declares,
+    `plait.engine.model_blocks`) in backward.
 
     Returns how many modules were wrapped. Non-reentrant checkpointing is used, so it composes
     with autograd hooks (data parallelism) and keeps dropout's random stream identical.
     """
-    if block_types is None:
-        from plait.engine import model_blocks
-
-        ids = {id(b) for b in model_blocks(model)}
-        chosen = lambda m: id(m) in ids  # noqa: E731
-    else:
-        chosen = lambda m: isinstance(m, block_types)  # noqa: E731
+    ids = {id(b) for b in (model_blocks(model) if blocks is None else blocks)}
     count = 0
     for module in model.modules():
-        if chosen(module) and not getattr(module, "_plait_recompute", False):
+        if id(module) in ids and not getattr(module, "_plait_recompute", False):
             module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
             module._plait_recompute = True
             count += 1
