@@ -18,23 +18,21 @@ or be an nn.Sequential, and a batch is `(inputs, targets)` whose loss the last s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm, zero
-from plait.data.batch import map_tensors, split_batch
+from plait import zero
 from plait.errors import ConfigError
 from plait.layout import Layout
 from plait.mesh import Mesh, backend_for, default_device, init_distributed
+from plait.parallel_model import ParallelModel
 from plait.parallelize import parallelize as parallelize_part
 
 # The keys `mesh_or_config` may hold, with their defaults (dp = None: every rank not used by tp).
@@ -52,6 +50,8 @@ KEYS: dict[str, Any] = {
     "schedule": "1f1b",
     "microbatches": 0,
     "virtual_stages": 0,
+    "offload": "none",
+    "offload_path": "",
     "device": None,
     "timeout_s": 300.0,
 }
@@ -108,194 +108,6 @@ def _init_group(device) -> tuple[torch.device, bool]:
     return dev, True
 
 
-class _NoState:
-    """Stands for the scheduler or sampler a checkpoint holds when the loop has none."""
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-
-class ParallelModel:
-    """What `parallelize` returns: the model wrapped for its layout, its optimizer, and one
-    training step as `forward_backward(batch)` then `step()`.
-
-    Attributes:
-        model: the module to call (wrapped: data parallel's `DataParallel`, or the user's module
-            with ZeRO-3's gather hooks; under ZeRO-3 its parameters hold nothing between
-            forwards, so read them with `full_parameters()`).
-        unwrapped: the user's module (tensor-parallel layers replaced where a plan split them).
-        optimizer: the torch optimizer the factory built (over this rank's shards from stage 1).
-        scheduler: the learning-rate scheduler built by `scheduler`, or None.
-        mesh: the plait Mesh (named axes, ranks, the communication ledger).
-        engine: the plait engine underneath (plait.engine's contract).
-        rank, world: this process's global rank and the number of processes.
-        dp_rank, dp: this rank's coordinate over the axes the batch is split on (dp, or dp x ep
-            under expert parallelism) and their size (tp peers and pipeline stages see the same
-            rows).
-        is_main: global rank 0 (print and write files there).
-        device: the device this rank computes on.
-        steps: optimizer steps taken (restored by `load`).
-    """
-
-    def __init__(self, engine, mesh, raw, *, loss_fn, grad_clip, scheduler, owns):
-        self.engine = engine
-        self.mesh = mesh
-        self.model = engine.module
-        self.unwrapped = raw
-        self.optimizer = engine.optimizer
-        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
-        self.loss_fn = loss_fn
-        self.grad_clip = grad_clip
-        self.rank, self.world = mesh.global_rank, mesh.world_size
-        self._data_axes = ("dp", "ep") if mesh.size("ep") > 1 else ("dp",)
-        axis = mesh.axis_over(self._data_axes)
-        self.dp_rank, self.dp = mesh.rank(axis), mesh.size(axis)
-        self.is_main = mesh.is_rank0
-        self.steps = 0
-        self.device = mesh.device
-        self._owns_group, self._owns_mesh = owns
-
-    # --- one step ---------------------------------------------------------------------------
-
-    def shard(self, batch):
-        """This rank's rows of a global batch (every rank passes the same one): dp rank r takes
-        rows [r * B / dp, (r + 1) * B / dp). B must be a multiple of dp."""
-        return split_batch(batch, self.dp, self.dp_rank)
-
-    def _loss(self, batch) -> torch.Tensor:
-        if self.loss_fn is not None:
-            loss = self.loss_fn(self.model, batch)
-        elif isinstance(batch, Mapping):
-            loss = self.model(**batch)
-        elif isinstance(batch, (tuple, list)):
-            loss = self.model(*batch)
-        else:
-            loss = self.model(batch)
-        if not (torch.is_tensor(loss) and loss.dim() == 0):
-            shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
-            raise ConfigError(
-                f"forward_backward needs a scalar loss, got {shape}: pass loss_fn(model, batch) -> the "
-                "mean loss over the batch's rows to parallelize, or make the model return it"
-            )
-        return loss
-
-    def forward_backward(self, batch, *, micro_batches: int = 1, average: bool = True) -> float:
-        """Forward and backward of this rank's rows; gradients synchronised over dp.
-
-        Args:
-            batch: this rank's part of the global batch (a tensor, or a tuple, list or dict of
-                tensors sharing their first dimension; moved to the rank's device, `device`);
-                every dp rank must hold the same number
-                of rows (use `shard` to cut a global batch). The loss must be the *mean* over the
-                rows it is given: the engine averages gradients over dp, so the gradient is then
-                exactly one process's on the global batch.
-            micro_batches: cut the rows into this many equal micro-batches and accumulate their
-                gradients (communication after the last one only, where the layout allows),
-                each weighted by its share of the rows, so the gradient is unchanged.
-            average: return the loss averaged over dp (one scalar all-reduce); False returns
-                this rank's own mean loss without communicating.
-
-        Call `step()` before the next `forward_backward`: the gradients of one step are
-        synchronised once, so accumulate with `micro_batches`, not with repeated calls.
-
-        Returns the mean loss over the global batch (with average=True) as a float.
-        """
-        batch = map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
-        if self.mesh.size("pp") > 1:
-            total = self._pipeline_step(batch)
-            return comm.all_reduce_scalar(total, self.mesh, self._data_axes) / self.dp if average else total
-        parts = (
-            [batch]
-            if micro_batches == 1
-            else [split_batch(batch, micro_batches, i) for i in range(micro_batches)]
-        )
-        total = 0.0
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            with contextlib.nullcontext() if last else self.engine.no_sync():
-                loss = self._loss(part)
-                (loss / len(parts)).backward()
-            total += float(loss.detach()) / len(parts)
-        if not average:
-            return total
-        return comm.all_reduce_scalar(total, self.mesh, self._data_axes) / self.dp
-
-    def _pipeline_step(self, batch) -> float:
-        """One step of the pipeline schedule over `(inputs, targets)`, cut into the schedule's
-        micro-batches; the last stage computes the summed loss. Returns this rank's mean."""
-        if self.loss_fn is not None or not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise ConfigError(
-                "parallelize: under a pipeline (pp > 1) a batch is (inputs, targets) and the last stage "
-                "computes the loss (the model's own, e.g. a GPT's or an nn.Sequential's loss_fn): "
-                "pass no loss_fn"
-            )
-        x, y = batch
-        m = self.engine.schedule.m
-        loss_sum = self.engine.forward_backward(list(zip(x.chunk(m), y.chunk(m))), 1.0 / y.numel())
-        return comm.all_reduce_scalar(float(loss_sum), self.mesh, ("pp",)) / y.numel()
-
-    def step(self) -> float | None:
-        """Clip the gradients' global norm to `grad_clip` (when set), take the optimizer step,
-        step the scheduler, and zero the gradients. Returns the norm before clipping (None
-        without clipping: `grad_norm()` computes it on request)."""
-        norm = self.engine.clip_grad_norm_(self.grad_clip) if self.grad_clip else None
-        self.engine.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.engine.zero_grad()
-        self.steps += 1
-        return norm
-
-    def grad_norm(self) -> float:
-        """The global gradient norm over every rank's shards (a collective: call on every rank)."""
-        return self.engine.grad_norm()
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, on the CPU, by the user's names (a collective)."""
-        return self.engine.full_parameters()
-
-    # --- checkpoints --------------------------------------------------------------------------
-
-    def save(self, directory: str | Path, keep: int = 2) -> Path:
-        """Save model, optimizer, scheduler and step as `directory/step_N` (DCP, every rank writing
-        its own shards; `latest` names it) and keep the `keep` newest; returns its path. Call on
-        every rank. The checkpoint loads at any number of ranks and any ZeRO stage."""
-        from plait.train.checkpoint import save_checkpoint
-
-        sched = self.scheduler if self.scheduler is not None else _NoState()
-        return save_checkpoint(directory, self.steps, self.mesh, self.engine, sched, _NoState(), keep=keep)
-
-    def load(self, path: str | Path) -> int:
-        """Restore a checkpoint written by `save` (a `step_N` directory, or the directory given
-        to `save`: its `latest`), resharded to this layout; returns and restores `steps`."""
-        from plait.train.checkpoint import MANIFEST, choose_checkpoint, load_checkpoint
-
-        path = Path(path)
-        if not (path / MANIFEST).exists():
-            path, _ = choose_checkpoint(path)
-        sched = self.scheduler if self.scheduler is not None else _NoState()
-        self.steps = load_checkpoint(path, self.mesh, self.engine, sched, _NoState())
-        return self.steps
-
-    def close(self) -> None:
-        """Remove the engine's hooks; stop the mesh's watchdog and destroy the process group if
-        `parallelize` created them (a Mesh passed in stays open)."""
-        self.engine.close()
-        if self._owns_mesh:
-            self.mesh.close()
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-
-    def __enter__(self) -> ParallelModel:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 def parallelize(
     model: nn.Module,
     optimizer_factory: Callable,
@@ -334,13 +146,15 @@ def parallelize(
             must cut itself or be an nn.Sequential, and batches are `(inputs, targets)`),
             schedule, microbatches and virtual_stages (the pipeline's: 1f1b, gpipe,
             interleaved, zb-h1, zb-h2, zb-v), ep (expert parallelism over the model's plait MoE
-            layers: the batch is split over dp x ep). None means {} (data parallel over every
-            rank). The process group is initialised from the
-            launcher's environment (RANK, WORLD_SIZE, ...) when none is, or as a group of one.
+            layers: the batch is split over dp x ep), offload ("cpu" or "disk": ZeRO-Offload's
+            optimizer state and step off the device, from stage 1; disk under offload_path).
+            None means {} (data parallel over every rank). The process group is initialised
+            from the launcher's environment (RANK, WORLD_SIZE, ...) when none is, or as a group
+            of one.
         options: the keys above that a Mesh does not fix (zero_stage, sequence_parallel,
             bucket_mb, mixed_precision, activation_checkpointing, schedule, microbatches,
-            virtual_stages), given beside a Mesh; beside
-            a dict they are merged into it.
+            virtual_stages, offload, offload_path), given beside a Mesh; beside a dict they are
+            merged into it.
         loss_fn: `loss_fn(model, batch) -> scalar`, the mean loss over the batch's rows;
             default: the model's own output, called as model(*batch), model(**batch) or
             model(batch), which must then be that scalar.
@@ -359,25 +173,38 @@ def parallelize(
             saved in checkpoints.
         seed: seeds the per-tp-rank random stream of dropouts inside split layers.
     """
+    _check_inputs(model, optimizer_factory, mesh_or_config, tp_plan)  # before any process group
+    owns_mesh = not isinstance(mesh_or_config, Mesh)
+    mesh, s, owns_group = _mesh_and_settings(mesh_or_config, dict(options or {}))
+    return _wrap(model, optimizer_factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks,
+                 param_groups, grad_clip, scheduler, seed, (owns_group, owns_mesh))  # fmt: skip
+
+
+def _check_inputs(model, optimizer_factory, mesh_or_config, tp_plan) -> None:
+    """A factory, not an optimizer; layout rules when tp > 1."""
     if isinstance(optimizer_factory, torch.optim.Optimizer) or not callable(optimizer_factory):
         raise ConfigError(
             "parallelize: optimizer_factory must be a callable building the optimizer from the parameters "
             "it is given, e.g. lambda params: torch.optim.AdamW(params, lr=1e-3); an optimizer built "
             "before wrapping would hold parameters that wrapping replaces"
         )
-    owns_group, owns_mesh = False, not isinstance(mesh_or_config, Mesh)
     tp = mesh_or_config.size("tp") if isinstance(mesh_or_config, Mesh) else None
     if tp is None and isinstance(mesh_or_config, Mapping):
         tp = mesh_or_config.get("tp", 1)
     elif tp is None and mesh_or_config is not None:
         tp = getattr(mesh_or_config, "tp", 1)
     if tp not in (None, 1) and tp_plan is None and not callable(getattr(model, "tp_plan", None)):
-        raise ConfigError(  # before any process group or mesh is made
+        raise ConfigError(
             f"parallelize: tp = {tp} needs layout rules for {type(model).__name__}: pass "
             "tp_plan={module name pattern: Colwise() / Rowwise() ...} (plait.tensor_parallel) and "
             "optionally layout_rules, or give the model a tp_plan() method; or set tp = 1"
         )
-    options = dict(options or {})
+
+
+def _mesh_and_settings(mesh_or_config, options: dict) -> tuple[Mesh, dict, bool]:
+    """The Mesh (given, or built over the launcher's processes), the checked settings, and
+    whether this call created the process group."""
+    owns_group = False
     if isinstance(mesh_or_config, Mesh):
         mesh = mesh_or_config
         fixed = [k for k in options if k in SHAPE_KEYS]
@@ -418,8 +245,7 @@ def parallelize(
             timeout_s=s["timeout_s"],
             dp_shard=s["hybrid_shard"] or None,
         )
-    return _wrap(model, optimizer_factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks,
-                 param_groups, grad_clip, scheduler, seed, (owns_group, owns_mesh))  # fmt: skip
+    return mesh, s, owns_group
 
 
 def _layout(mesh: Mesh, s: dict) -> Layout:
@@ -434,6 +260,8 @@ def _layout(mesh: Mesh, s: dict) -> Layout:
         virtual_stages=s["virtual_stages"],
         activation_checkpointing=s["activation_checkpointing"],
         mixed_precision=s["mixed_precision"] or "fp32",
+        offload=s["offload"],
+        offload_path=s["offload_path"],
         bucket_mb=s["bucket_mb"],
     )
 

@@ -143,7 +143,7 @@ def _pipeline(mesh, sp=False, sgd=False, kind="1f1b", m=2, zero=1, hook=None):
     held = {
         "memory": engine.memory(),
         "stage_bytes": sum(q.numel() * 4 for q in engine.raw.parameters()),
-        "shard_bytes": sum(b.layout.shard_numel * 4 for b in engine.zero.buckets) if engine.zero else 0,
+        "shard_bytes": sum(b.layout.shard_numel * 4 for b in engine.inner.buckets) if zero else 0,
     }
     params = engine.full_parameters()
     engine.close()

@@ -139,7 +139,7 @@ def _pipeline(mesh, zero: int) -> dict:
     out = {
         "rows": _rows(mesh),
         "local_numel": local_numel,
-        "groups": [_group(b.layout, b.params, mesh.rank("dp")) for b in engine.zero.buckets],
+        "groups": [_group(b.layout, b.params, mesh.rank("dp")) for b in engine.inner.buckets],
     }
     engine.close()
     return out

@@ -23,6 +23,8 @@ CASES = {
     "pp2-1f1b": (2, DENSE, {"pp": 2, "microbatches": 2}),
     "pp2-interleaved": (2, DENSE, {"pp": 2, "microbatches": 4, "schedule": "interleaved"}),
     "pp2xdp2-zero1": (4, DENSE, {"pp": 2, "dp": 2, "zero_stage": 1, "microbatches": 2}),
+    # offload within pipeline stages: the same ZeRO engine, its step on the host
+    "pp2xdp2-zero2-offload": (4, DENSE, {"pp": 2, "dp": 2, "zero_stage": 2, "offload": "cpu"}),
     "ep2": (2, MOE, {"ep": 2}),
     "ep2-zero3": (2, MOE, {"ep": 2, "zero_stage": 3}),
     "pp2xep2-zero2": (4, MOE, {"pp": 2, "ep": 2, "zero_stage": 2, "microbatches": 2}),

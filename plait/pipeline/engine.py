@@ -1,22 +1,23 @@
-"""Pipeline-parallel training of any model that can be cut into stages, behind the engine interface.
+"""Pipeline parallelism (GPipe, Huang et al. 2018; 1F1B, Narayanan et al. 2019) over any model
+that can be cut into stages, behind the engine contract.
 
-`PipelineEngine` cuts the model into ``pp x virtual_stages`` stages (plait.pipeline.stage),
-keeps this rank's, runs the configured schedule (plait.pipeline.runtime) and makes the
-gradients those of single-process training:
+`cut_pipeline` cuts the model into ``pp x virtual_stages`` stages (plait.pipeline.stage) and keeps
+this rank's; `plait.parallelize.parallelize` then builds the engine of that part (data parallel or
+ZeRO 1-3 with the "manual" trigger, and the optimizer), and `PipelineEngine` runs the configured
+schedule (plait.pipeline.runtime) over it. What the pipeline itself adds to make the gradients
+those of single-process training:
 
-- data parallelism (pp x dp): each stage's gradients are averaged over its dp group as soon as
-  the stage's last backward (BW or W) of the step has run, while the rest of the schedule goes
-  on; the optimizer waits for them. With ZeRO (`zero_stage` 1-3) a `ZeroOptimizer` over this
-  rank's stages reduce-scatters them at the end of the schedule instead, and each dp rank steps
-  its shard of the optimizer state; under ZeRO-3 only the parameter shards are kept between
-  steps, and the stages' parameters are gathered once at the start of the next one;
+- the gradient exchange over dp starts as soon as a stage's last backward (BW or W) of the step
+  has run, while the rest of the schedule goes on (data parallel), or once the schedule is done
+  (ZeRO, which reduce-scatters and steps this rank's shards; under ZeRO-3 only the parameter
+  shards are kept between steps and the stages' parameters are gathered once per step);
 - tied embedding and head on different pipeline ranks: the two copies' gradients are summed
-  over pp (ranks between them contribute zeros) so both copies stay equal;
-- expert parallelism (pp x ep): the batch is split over dp x ep, and each gradient averaged over
-  the data axes it is not split on (experts over dp, the rest over dp x ep), as outside pipelines;
-- tensor parallelism (pp x tp): the stages hold the tensor-parallel layers apply_tp made; the
-  sequence-parallel gradients are summed over tp as plain data parallelism does;
-- the gradient norm sums squares over pp and tp, counting a tied or replicated tensor once.
+  over pp (ranks between them contribute zeros) so both copies stay equal, and the norm counts
+  the first holder's copy;
+- expert and tensor parallelism inside the stages need nothing more: the batch is split over
+  dp x ep and each gradient averaged over the data axes it is not split on, and gradients partial
+  over tp (sequence parallelism) are summed by the same exchange, by their placements;
+- the gradient norm sums squares over pp too (the inner engine's `norm_axes`).
 """
 
 from __future__ import annotations

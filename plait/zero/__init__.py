@@ -48,6 +48,7 @@ STAGES = (0, 1, 2, 3)
 MIXED_PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+# Over 80 lines with its docstring, which is ZeRO's reference for users; the code is ~50 lines.
 def wrap(
     model: nn.Module,
     mesh: Mesh,
@@ -111,31 +112,8 @@ def wrap(
     `memory()` (model-state bytes per rank) and `close()`.
     """
     data_axes = (data_axes[0], *(a for a in data_axes[1:] if mesh.size(a) > 1))  # ep = 1: dp alone
-    from plait.optim.onebit_adam import MomentumHook
-
-    if isinstance(comm_hook, MomentumHook) and len(data_axes) > 1:
-        raise ConfigError(
-            f"1-bit Adam (MomentumHook) with data_axes = {data_axes} (expert parallelism) is not "
-            "available: its momentum is exchanged over dp alone; compress the gradients instead"
-        )
-    if stage not in STAGES:
-        raise ConfigError(f"zero_stage = {stage!r} is not valid; valid: {', '.join(map(str, STAGES))}")
-    if not callable(optimizer):
-        raise ConfigError("optimizer must be a callable building a torch optimizer from param groups")
-    precision = mixed_precision or "fp32"
-    if precision not in MIXED_PRECISION:
-        raise ConfigError(
-            f"mixed_precision = {mixed_precision!r} is not valid; valid: {', '.join(MIXED_PRECISION)}"
-        )
-    offload = offload or "none"
-    if offload not in OFFLOADS:
-        raise ConfigError(f"offload = {offload!r} is not valid; valid: {', '.join(OFFLOADS)}")
+    precision, offload = _check_values(stage, optimizer, mixed_precision or "fp32", offload or "none")
     if stage == 0:
-        if precision != "fp32" or offload != "none" or hybrid_shard or delayed_update:
-            raise ConfigError(
-                "zero_stage = 0 (plain data parallel) takes no mixed_precision policy, offload or "
-                "hybrid_shard; use zero_stage >= 1"
-            )
         return DataParallelEngine(
             model,
             mesh,
@@ -149,23 +127,7 @@ def wrap(
             comm_hook=comm_hook,
             axes=data_axes,
         )
-    shard_axis, replicate_axis = "dp", None
-    if hybrid_shard and len(data_axes) > 1:
-        raise ConfigError(
-            f"hybrid_shard with data_axes = {data_axes} (expert parallelism) is not available: experts "
-            "are sharded over their replica group dp, dense parameters over dp x ep"
-        )
-    if hybrid_shard:
-        try:
-            size = mesh.size("dp_shard")
-        except Exception:
-            size = None
-        if size != hybrid_shard:
-            raise ConfigError(
-                f"hybrid_shard = {hybrid_shard} needs a mesh built with dp_shard={hybrid_shard} "
-                f"(Mesh(dp={mesh.size('dp')}, dp_shard={hybrid_shard}))"
-            )
-        shard_axis, replicate_axis = "dp_shard", "dp_replicate"
+    shard_axis, replicate_axis = _shard_axes(mesh, hybrid_shard)
     common = dict(
         param_groups=param_groups,
         shard_axis=shard_axis,
@@ -175,32 +137,61 @@ def wrap(
         offload_path=offload_path,
         delayed_update=delayed_update,
         data_axes=data_axes,
+        comm_hook=comm_hook,
     )
-    if stage in (1, 2) or trigger == "manual":
-        if param_groups is not None and not isinstance(param_groups[0], dict):
-            common["param_groups"] = [{"params": param_groups}]
-        engine = ZeroOptimizer(
-            model,
-            mesh,
-            optimizer,
-            stage=min(stage, 2),
-            reshard_after_step=stage == 3,
-            bucket_mb=bucket_mb,
-            allow_unused=allow_unused,
-            comm_hook=comm_hook,
-            trigger=trigger,
-            names=names,
-            **common,
-        )
-        engine.shards.norm_axes = norm_axes
-    else:
-        engine = ZeroStage3(
+    if stage == 3 and trigger == "hook":
+        return ZeroStage3(
             model,
             mesh,
             optimizer,
             wrap_policy=wrap_policy,
             reshard_after_forward=reshard_after_forward,
-            comm_hook=comm_hook,
             **common,
         )
+    if param_groups is not None and not isinstance(param_groups[0], dict):
+        common["param_groups"] = [{"params": param_groups}]
+    # stages 1-2; and stage 3 under the manual trigger (a pipeline): parameters resharded after
+    # each step and gathered once per step, not once per unit and micro-batch
+    engine = ZeroOptimizer(
+        model,
+        mesh,
+        optimizer,
+        stage=min(stage, 2),
+        reshard_after_step=stage == 3,
+        bucket_mb=bucket_mb,
+        allow_unused=allow_unused,
+        trigger=trigger,
+        names=names,
+        **common,
+    )
+    engine.shards.norm_axes = norm_axes
     return engine
+
+
+def _check_values(stage: int, optimizer, precision: str, offload: str) -> tuple[str, str]:
+    """Each argument's own range (which features combine is plait.layout's table)."""
+    if stage not in STAGES:
+        raise ConfigError(f"zero_stage = {stage!r} is not valid; valid: {', '.join(map(str, STAGES))}")
+    if not callable(optimizer):
+        raise ConfigError("optimizer must be a callable building a torch optimizer from param groups")
+    if precision not in MIXED_PRECISION:
+        raise ConfigError(
+            f"mixed_precision = {precision!r} is not valid; valid: {', '.join(MIXED_PRECISION)}"
+        )
+    if offload not in OFFLOADS:
+        raise ConfigError(f"offload = {offload!r} is not valid; valid: {', '.join(OFFLOADS)}")
+    return precision, offload
+
+
+def _shard_axes(mesh: Mesh, hybrid_shard: int | None) -> tuple[str, str | None]:
+    """(the axis ZeRO shards over, the axis shards are replicated over): dp, or under hybrid
+    sharding the mesh's dp_shard and dp_replicate."""
+    if not hybrid_shard:
+        return "dp", None
+    size = mesh.size("dp_shard") if mesh.has_axis("dp_shard") else None
+    if size != hybrid_shard:
+        raise ConfigError(
+            f"hybrid_shard = {hybrid_shard} needs a mesh built with dp_shard={hybrid_shard} "
+            f"(Mesh(dp={mesh.size('dp')}, dp_shard={hybrid_shard}))"
+        )
+    return "dp_shard", "dp_replicate"

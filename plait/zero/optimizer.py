@@ -110,21 +110,7 @@ class ZeroOptimizer(ShardedEngine):
         self._names = names or {}
         self.buckets = self._build_buckets(int(bucket_mb * 1e6), compute_dtype)
         self._broadcast()
-        groups = []
-        for b in self.buckets:
-            lo, hi = b.layout.shard_range(b.rank)
-            master = b.flat[lo:hi]
-            if self.master_is_separate or self.reshard:  # (resharded: the flat is freed)
-                master = master.to(device=self.host, dtype=torch.float32, copy=True)
-            if self.reshard:  # what is gathered: the master itself, or its compute-dtype copy
-                same = not self.master_is_separate
-                b.shard = master if same else b.flat[lo:hi].to(compute_dtype, copy=True)
-            # stage 1 keeps the reduced shard inside its full gradient buffer: no extra copy
-            grad = b.buffer[lo:hi] if stage == 1 else None
-            dev = mesh.device
-            groups.append(
-                ShardGroup(b.layout, b.rank, master, compute_dtype, grad=grad, device=dev, axis=b.axis)
-            )
+        groups = [self._shard_group(b, compute_dtype) for b in self.buckets]
         for b in self.buckets:  # the module's parameters become views of the flat buckets
             for p, v in zip(b.params, b.layout.views(b.flat), strict=True):
                 p.data = v
@@ -158,6 +144,22 @@ class ZeroOptimizer(ShardedEngine):
             missing="zeros" if allow_unused else "error",
             deliver=self._deliver,
             check=self._check_once,
+        )
+
+    def _shard_group(self, b: _Bucket, compute_dtype) -> ShardGroup:
+        """This rank's shard of bucket `b`: its fp32 master (a view of the flat bucket unless the
+        master is separate or the parameters are resharded) and, when resharded, what is gathered."""
+        lo, hi = b.layout.shard_range(b.rank)
+        master = b.flat[lo:hi]
+        if self.master_is_separate or self.reshard:  # (resharded: the flat is freed)
+            master = master.to(device=self.host, dtype=torch.float32, copy=True)
+        if self.reshard:  # what is gathered: the master itself, or its compute-dtype copy
+            same = not self.master_is_separate
+            b.shard = master if same else b.flat[lo:hi].to(compute_dtype, copy=True)
+        # stage 1 keeps the reduced shard inside its full gradient buffer: no extra copy
+        grad = b.buffer[lo:hi] if self.stage == 1 else None
+        return ShardGroup(
+            b.layout, b.rank, master, compute_dtype, grad=grad, device=self.mesh.device, axis=b.axis
         )
 
     def _build_buckets(self, capacity: int, dtype) -> list[_Bucket]:

@@ -1,0 +1,201 @@
+"""`ParallelModel`: what `plait.parallelize` (plait.api) returns: the user's model wrapped for its
+layout, its optimizer, and one training step as `forward_backward(batch)` then `step()`;
+checkpoints through plait.train.checkpoint (layout-free)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from plait import comm
+from plait.data.batch import map_tensors, split_batch
+from plait.errors import ConfigError
+from plait.train.checkpoint import MANIFEST, choose_checkpoint, load_checkpoint, save_checkpoint
+
+
+class _NoState:
+    """Stands for the scheduler or sampler a checkpoint holds when the loop has none."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class ParallelModel:
+    """What `parallelize` returns: the model wrapped for its layout, its optimizer, and one
+    training step as `forward_backward(batch)` then `step()`.
+
+    Attributes:
+        model: the module to call (wrapped: data parallel's `DataParallel`, or the user's module
+            with ZeRO-3's gather hooks; under ZeRO-3 its parameters hold nothing between
+            forwards, so read them with `full_parameters()`).
+        unwrapped: the user's module (tensor-parallel layers replaced where a plan split them).
+        optimizer: the torch optimizer the factory built (over this rank's shards from stage 1).
+        scheduler: the learning-rate scheduler built by `scheduler`, or None.
+        mesh: the plait Mesh (named axes, ranks, the communication ledger).
+        engine: the plait engine underneath (plait.engine's contract).
+        rank, world: this process's global rank and the number of processes.
+        dp_rank, dp: this rank's coordinate over the axes the batch is split on (dp, or dp x ep
+            under expert parallelism) and their size (tp peers and pipeline stages see the same
+            rows).
+        is_main: global rank 0 (print and write files there).
+        device: the device this rank computes on.
+        steps: optimizer steps taken (restored by `load`).
+    """
+
+    def __init__(self, engine, mesh, raw, *, loss_fn, grad_clip, scheduler, owns):
+        self.engine = engine
+        self.mesh = mesh
+        self.model = engine.module
+        self.unwrapped = raw
+        self.optimizer = engine.optimizer
+        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        self.loss_fn = loss_fn
+        self.grad_clip = grad_clip
+        self.rank, self.world = mesh.global_rank, mesh.world_size
+        self._data_axes = ("dp", "ep") if mesh.size("ep") > 1 else ("dp",)
+        axis = mesh.axis_over(self._data_axes)
+        self.dp_rank, self.dp = mesh.rank(axis), mesh.size(axis)
+        self.is_main = mesh.is_rank0
+        self.steps = 0
+        self.device = mesh.device
+        self._owns_group, self._owns_mesh = owns
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def shard(self, batch):
+        """This rank's rows of a global batch (every rank passes the same one): dp rank r takes
+        rows [r * B / dp, (r + 1) * B / dp). B must be a multiple of dp."""
+        return split_batch(batch, self.dp, self.dp_rank)
+
+    def _loss(self, batch) -> torch.Tensor:
+        if self.loss_fn is not None:
+            loss = self.loss_fn(self.model, batch)
+        elif isinstance(batch, Mapping):
+            loss = self.model(**batch)
+        elif isinstance(batch, (tuple, list)):
+            loss = self.model(*batch)
+        else:
+            loss = self.model(batch)
+        if not (torch.is_tensor(loss) and loss.dim() == 0):
+            shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+            raise ConfigError(
+                f"forward_backward needs a scalar loss, got {shape}: pass loss_fn(model, batch) -> the "
+                "mean loss over the batch's rows to parallelize, or make the model return it"
+            )
+        return loss
+
+    def forward_backward(self, batch, *, micro_batches: int = 1, average: bool = True) -> float:
+        """Forward and backward of this rank's rows; gradients synchronised over dp.
+
+        Args:
+            batch: this rank's part of the global batch (a tensor, or a tuple, list or dict of
+                tensors sharing their first dimension; moved to the rank's device, `device`);
+                every dp rank must hold the same number
+                of rows (use `shard` to cut a global batch). The loss must be the *mean* over the
+                rows it is given: the engine averages gradients over dp, so the gradient is then
+                exactly one process's on the global batch.
+            micro_batches: cut the rows into this many equal micro-batches and accumulate their
+                gradients (communication after the last one only, where the layout allows),
+                each weighted by its share of the rows, so the gradient is unchanged.
+            average: return the loss averaged over dp (one scalar all-reduce); False returns
+                this rank's own mean loss without communicating.
+
+        Call `step()` before the next `forward_backward`: the gradients of one step are
+        synchronised once, so accumulate with `micro_batches`, not with repeated calls.
+
+        Returns the mean loss over the global batch (with average=True) as a float.
+        """
+        batch = map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+        if self.mesh.size("pp") > 1:
+            total = self._pipeline_step(batch)
+            return comm.all_reduce_scalar(total, self.mesh, self._data_axes) / self.dp if average else total
+        parts = (
+            [batch]
+            if micro_batches == 1
+            else [split_batch(batch, micro_batches, i) for i in range(micro_batches)]
+        )
+        total = 0.0
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            with contextlib.nullcontext() if last else self.engine.no_sync():
+                loss = self._loss(part)
+                (loss / len(parts)).backward()
+            total += float(loss.detach()) / len(parts)
+        if not average:
+            return total
+        return comm.all_reduce_scalar(total, self.mesh, self._data_axes) / self.dp
+
+    def _pipeline_step(self, batch) -> float:
+        """One step of the pipeline schedule over `(inputs, targets)`, cut into the schedule's
+        micro-batches; the last stage computes the summed loss. Returns this rank's mean."""
+        if self.loss_fn is not None or not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ConfigError(
+                "parallelize: under a pipeline (pp > 1) a batch is (inputs, targets) and the last stage "
+                "computes the loss (the model's own, e.g. a GPT's or an nn.Sequential's loss_fn): "
+                "pass no loss_fn"
+            )
+        x, y = batch
+        m = self.engine.schedule.m
+        loss_sum = self.engine.forward_backward(list(zip(x.chunk(m), y.chunk(m))), 1.0 / y.numel())
+        return comm.all_reduce_scalar(float(loss_sum), self.mesh, ("pp",)) / y.numel()
+
+    def step(self) -> float | None:
+        """Clip the gradients' global norm to `grad_clip` (when set), take the optimizer step,
+        step the scheduler, and zero the gradients. Returns the norm before clipping (None
+        without clipping: `grad_norm()` computes it on request)."""
+        norm = self.engine.clip_grad_norm_(self.grad_clip) if self.grad_clip else None
+        self.engine.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.engine.zero_grad()
+        self.steps += 1
+        return norm
+
+    def grad_norm(self) -> float:
+        """The global gradient norm over every rank's shards (a collective: call on every rank)."""
+        return self.engine.grad_norm()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, on the CPU, by the user's names (a collective)."""
+        return self.engine.full_parameters()
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def save(self, directory: str | Path, keep: int = 2) -> Path:
+        """Save model, optimizer, scheduler and step as `directory/step_N` (DCP, every rank writing
+        its own shards; `latest` names it) and keep the `keep` newest; returns its path. Call on
+        every rank. The checkpoint loads at any number of ranks and any ZeRO stage."""
+        sched = self.scheduler if self.scheduler is not None else _NoState()
+        return save_checkpoint(directory, self.steps, self.mesh, self.engine, sched, _NoState(), keep=keep)
+
+    def load(self, path: str | Path) -> int:
+        """Restore a checkpoint written by `save` (a `step_N` directory, or the directory given
+        to `save`: its `latest`), resharded to this layout; returns and restores `steps`."""
+        path = Path(path)
+        if not (path / MANIFEST).exists():
+            path, _ = choose_checkpoint(path)
+        sched = self.scheduler if self.scheduler is not None else _NoState()
+        self.steps = load_checkpoint(path, self.mesh, self.engine, sched, _NoState())
+        return self.steps
+
+    def close(self) -> None:
+        """Remove the engine's hooks; stop the mesh's watchdog and destroy the process group if
+        `parallelize` created them (a Mesh passed in stays open)."""
+        self.engine.close()
+        if self._owns_mesh:
+            self.mesh.close()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> ParallelModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
