@@ -48,20 +48,43 @@ class _ParallelLinear(nn.Module):
     """What the column- and row-parallel layers share: the full tensors they take a slice of, and
     their construction from an nn.Linear."""
 
-    def _full(self, in_features: int, out_features: int, bias: bool, device, dtype, full_weight, full_bias):
-        """(full weight, full bias, device, dtype): the given full tensors (checked), or drawn as
-        nn.Linear draws them; the slices' device and dtype default to the full weight's."""
+    def _setup(
+        self,
+        split: str,
+        in_features: int,
+        out_features: int,
+        mesh: Mesh,
+        axis: str,
+        bias: bool,
+        *,
+        sequence_parallel: bool,
+        seq_dim: int,
+        device,
+        dtype,
+        full_weight: Tensor | None,
+        full_bias: Tensor | None,
+    ):
+        """Check and record the shared settings; returns (features per rank, this rank's slice of
+        the split dim, full weight, full bias, device, dtype): the given full tensors (checked),
+        or drawn as nn.Linear draws them; the slices' device and dtype default to the full weight's."""
         name = type(self).__name__
+        per = require_divisible(
+            name, split, out_features if split == "out_features" else in_features, mesh, axis
+        )
         check_full(name, "full_weight", full_weight, (out_features, in_features))
         check_full(name, "full_bias", full_bias, (out_features,))
         if full_bias is not None and not bias:
             raise ConfigError(f"{name}: full_bias given but bias=False")
+        self.mesh, self.axis = mesh, axis
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
         if full_weight is None:
             full_weight, drawn_bias = _linear_init(out_features, in_features, bias, device, dtype)
             full_bias = drawn_bias if full_bias is None else full_bias
+        part = slice(mesh.rank(axis) * per, (mesh.rank(axis) + 1) * per)
         dtype = full_weight.dtype if dtype is None else dtype
         device = full_weight.device if device is None else device
-        return full_weight, full_bias, device, dtype
+        return per, part, full_weight, full_bias, device, dtype
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mesh: Mesh, axis: str = "tp", **kw) -> Self:
@@ -110,15 +133,11 @@ class ColumnParallelLinear(_ParallelLinear):
         full_bias: Tensor | None = None,
     ) -> None:
         super().__init__()
-        per = require_divisible(type(self).__name__, "out_features", out_features, mesh, axis)
-        full_weight, full_bias, device, dtype = self._full(
-            in_features, out_features, bias, device, dtype, full_weight, full_bias
-        )
-        self.mesh, self.axis = mesh, axis
-        self.in_features, self.out_features = in_features, out_features
-        self.out_features_per_rank = per
-        self.gather_output, self.sequence_parallel, self.seq_dim = gather_output, sequence_parallel, seq_dim
-        rows = slice(mesh.rank(axis) * per, (mesh.rank(axis) + 1) * per)
+        per, rows, full_weight, full_bias, device, dtype = self._setup(
+            "out_features", in_features, out_features, mesh, axis, bias, sequence_parallel=sequence_parallel,
+            seq_dim=seq_dim, device=device, dtype=dtype, full_weight=full_weight, full_bias=full_bias,
+        )  # fmt: skip
+        self.out_features_per_rank, self.gather_output = per, gather_output
         self.weight = sharded_param(full_weight[rows], device, dtype, shard_dim=0, axis=axis)
         if bias:
             b = full_bias[rows] if full_bias is not None else torch.zeros(per, device=device, dtype=dtype)
@@ -174,19 +193,11 @@ class RowParallelLinear(_ParallelLinear):
         full_bias: Tensor | None = None,
     ) -> None:
         super().__init__()
-        per = require_divisible(type(self).__name__, "in_features", in_features, mesh, axis)
-        full_weight, full_bias, device, dtype = self._full(
-            in_features, out_features, bias, device, dtype, full_weight, full_bias
-        )
-        self.mesh, self.axis = mesh, axis
-        self.in_features, self.out_features = in_features, out_features
-        self.in_features_per_rank = per
-        self.input_is_parallel, self.sequence_parallel, self.seq_dim = (
-            input_is_parallel,
-            sequence_parallel,
-            seq_dim,
-        )
-        cols = slice(mesh.rank(axis) * per, (mesh.rank(axis) + 1) * per)
+        per, cols, full_weight, full_bias, device, dtype = self._setup(
+            "in_features", in_features, out_features, mesh, axis, bias, sequence_parallel=sequence_parallel,
+            seq_dim=seq_dim, device=device, dtype=dtype, full_weight=full_weight, full_bias=full_bias,
+        )  # fmt: skip
+        self.in_features_per_rank, self.input_is_parallel = per, input_is_parallel
         self.weight = sharded_param(full_weight[:, cols], device, dtype, shard_dim=1, axis=axis)
         if bias:
             b = full_bias if full_bias is not None else torch.zeros(out_features, device=device, dtype=dtype)
