@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from plait.async_training.sparse_data import SparseProblem, build_problem, logistic_loss
 from plait.errors import ConfigError, PlaitError
@@ -282,21 +283,33 @@ def train_hogwild(cfg: HogwildConfig, problem: SparseProblem | None = None, on_p
         ctx.Process(target=_worker, args=(r, cfg, problem, state, start, lock), daemon=True)
         for r in range(cfg.workers)
     ]
-    bar = None
     try:
         for p in procs:
             p.start()
         while int(state["ready"].sum()) < cfg.workers:
             _check_workers(procs)
             time.sleep(0.01)
-        initial = logistic_loss(state["w"], problem.val_x, problem.val_y)
-        curve = [{"updates": 0, "seconds": 0.0, "val_loss": initial, "train_loss": None}]
-        if on_point:
-            on_point(curve[0])
-        if cfg.progress:
-            from tqdm import tqdm
+        curve, last = _watch(cfg, problem, state, procs, start, on_point)
+    finally:
+        for p in procs:
+            if p.pid is None:  # never started
+                continue
+            if p.is_alive():
+                p.terminate()
+            p.join()
+    return _result(cfg, problem, state, curve, last, on_point)
 
-            bar = tqdm(total=cfg.updates, unit="upd", unit_scale=True, desc=describe(cfg))
+
+def _watch(cfg: HogwildConfig, problem: SparseProblem, state: dict, procs, start, on_point):
+    """Release the ready workers and, until they are done, show the shared count and add a curve
+    point every `cfg.updates / cfg.eval_points` updates. Returns (the curve, the workers' last
+    published (examples, loss sum))."""
+    initial = logistic_loss(state["w"], problem.val_x, problem.val_y)
+    curve = [{"updates": 0, "seconds": 0.0, "val_loss": initial, "train_loss": None}]
+    if on_point:
+        on_point(curve[0])
+    bar = tqdm(total=cfg.updates, unit="upd", unit_scale=True, desc=describe(cfg)) if cfg.progress else None
+    try:
         t0 = time.monotonic()
         start.set()
         step = cfg.updates / cfg.eval_points if cfg.eval_points else math.inf
@@ -319,17 +332,15 @@ def train_hogwild(cfg: HogwildConfig, problem: SparseProblem | None = None, on_p
     finally:
         if bar is not None:
             bar.close()
-        for p in procs:
-            if p.pid is None:  # never started
-                continue
-            if p.is_alive():
-                p.terminate()
-            p.join()
+    return curve, last
+
+
+def _result(cfg: HogwildConfig, problem: SparseProblem, state: dict, curve: list, last, on_point):
+    """The run's result once every worker has ended: the final curve point and the timings."""
     counts = state["counts"].tolist()
     total = sum(counts)
     seconds = float(state["end"].max() - state["begin"].min())
     point, _ = _point(state, problem, total, seconds, last)
-    final = point["val_loss"]
     curve.append(point)
     if on_point:
         on_point(point)
@@ -339,8 +350,8 @@ def train_hogwild(cfg: HogwildConfig, problem: SparseProblem | None = None, on_p
         per_worker=counts,
         seconds=seconds,
         updates_per_s=total / seconds if seconds > 0 else math.inf,
-        final_loss=final,
-        initial_loss=initial,
+        final_loss=point["val_loss"],
+        initial_loss=curve[0]["val_loss"],
         curve=curve,
         weights=state["w"].clone(),
     )
@@ -350,8 +361,6 @@ def _context():
     """Processes that start clean like spawn's (no inherited threads, CUDA-safe) but fast: a fork
     server, started once per parent with this module imported, forks every worker; spawn where
     there is no fork server (Windows, macOS's default set)."""
-    import multiprocessing
-
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return torch.multiprocessing.get_context("spawn")
     ctx = torch.multiprocessing.get_context("forkserver")

@@ -18,6 +18,7 @@ servers clip the mean, as data parallelism does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,6 +31,10 @@ import torch.distributed.rpc as rpc
 
 from plait.async_training import param_server as ps
 from plait.comm.ledger import Ledger
+from plait.data import DistributedBatchSampler, eval_batches, load_corpus
+from plait.models import GPT
+from plait.train.config import model_config
+from plait.train.loop import step_hook
 
 
 def _nbytes(tensors) -> int:
@@ -61,7 +66,7 @@ def slow_hook(step: int, rank: int, cfg, engine=None) -> None:
     """A step hook (PLAIT_STEP_HOOK=plait.async_training.ps_worker:slow_hook) for tests and the
     benchmark: PLAIT_PS_SLOW=WORKER:SECONDS makes that worker sleep this long every clock, and
     PLAIT_FAIL_AT (plait.testing.inject_fault) still applies."""
-    from plait.testing import inject_fault
+    from plait.testing import inject_fault  # lazy: production code does not import plait.testing
 
     spec = os.environ.get("PLAIT_PS_SLOW")
     if spec:
@@ -73,81 +78,66 @@ def slow_hook(step: int, rank: int, cfg, engine=None) -> None:
 
 def work(cfg, w: int, store, run_dir: Path, start: int, device: torch.device) -> None:
     """Run worker `w`'s clocks start+1 .. last (train.stop_at or train.steps)."""
-    from plait.data import DistributedBatchSampler, eval_batches, load_corpus
-    from plait.models import GPT
-    from plait.train.config import model_config
-    from plait.train.loop import step_hook
-
-    t, n_servers, n_workers = cfg.train, cfg.ps.servers, cfg.parallel.dp
-    mcfg = model_config(cfg)
-    corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)
-    sampler = DistributedBatchSampler(
-        corpus.train, mcfg.seq_len, t.global_batch, w, n_workers, t.seed, micro_batches=t.micro_batches
-    )
-    _skip(sampler, start)
-    torch.manual_seed(t.seed)
-    model = GPT(mcfg).to(device)
-    model.train()
-    params = list(model.parameters())
-    ranges = ps.key_ranges([p.numel() for p in params], n_servers)
-    torch.manual_seed(t.seed + 1 + w)  # dropout streams differ per worker, as per dp rank
-    local_tokens = t.global_batch * mcfg.seq_len // n_workers
+    t = cfg.train
+    worker = _Worker(cfg, w, start, device)
     last = min(t.steps, t.stop_at) if t.stop_at else t.steps
-    val = eval_batches(corpus.val, mcfg.seq_len, t.global_batch, t.eval_batches) if w == 0 else None
     hook, cut = step_hook(), _cut_push_at()
-    ledger = Ledger()
-    out = open(run_dir / "ps" / f"worker{w}.jsonl", "a", buffering=1)  # noqa: SIM115
-    servers = [f"server{s}" for s in range(n_servers)]
-    window = time.perf_counter()
-    for clock in range(start + 1, last + 1):
-        if hook is not None:
-            hook(step=clock, rank=w, cfg=cfg, engine=None)
-        ledger.set_step(clock)
+    with open(run_dir / "ps" / f"worker{w}.jsonl", "a", buffering=1) as out:
+        window = time.perf_counter()
+        for clock in range(start + 1, last + 1):
+            if hook is not None:
+                hook(step=clock, rank=w, cfg=cfg, engine=None)
+            record = worker.clock(clock, store, cut)
+            if record is not None and w == 0:
+                window = worker.report(record, window)
+            out.write(
+                json.dumps(record or {"step": clock, "worker": w, "skipped": True, "t": time.time()}) + "\n"
+            )
+    store.set(f"ps/done/{w}", "1")
+
+
+class _Worker:
+    """One worker's model replica, its rows of every global batch and its servers."""
+
+    def __init__(self, cfg, w: int, start: int, device: torch.device) -> None:
+        t, n_workers = cfg.train, cfg.parallel.dp
+        self.cfg, self.w, self.device = cfg, w, device
+        mcfg = model_config(cfg)
+        corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)
+        self.sampler = DistributedBatchSampler(
+            corpus.train, mcfg.seq_len, t.global_batch, w, n_workers, t.seed, micro_batches=t.micro_batches
+        )
+        _skip(self.sampler, start)
+        torch.manual_seed(t.seed)
+        self.model = GPT(mcfg).to(device)
+        self.model.train()
+        self.params = list(self.model.parameters())
+        self.ranges = ps.key_ranges([p.numel() for p in self.params], cfg.ps.servers)
+        torch.manual_seed(t.seed + 1 + w)  # dropout streams differ per worker, as per dp rank
+        self.local_tokens = t.global_batch * mcfg.seq_len // n_workers
+        self.val = eval_batches(corpus.val, mcfg.seq_len, t.global_batch, t.eval_batches) if w == 0 else None
+        self.ledger = Ledger()
+        self.servers = [f"server{s}" for s in range(cfg.ps.servers)]
+
+    def clock(self, clock: int, store, cut: tuple[int, int] | None) -> dict | None:
+        """Pull, compute, push and commit one clock; its record, or None when the gradient was
+        not pushed (non-finite under async)."""
+        self.ledger.set_step(clock)
         t0 = time.perf_counter()
-        pulls = [rpc.rpc_async(name, ps.handle_pull, args=(w, clock)) for name in servers]
-        versions = []
-        with torch.no_grad():
-            for (lo, hi), fut, name in zip(ranges, pulls, servers):
-                values, version = fut.wait()
-                versions.append(version)
-                for p, v in zip(params[lo:hi], values):
-                    p.copy_(v)
-                ledger.record_message("pull", name, _nbytes(values))
+        versions = self.pull(clock)
         t_pull = time.perf_counter() - t0
-        total = 0.0
-        for x, y in sampler.next_batch():
-            with _autocast(device, t.bf16):
-                loss_sum = model(x.to(device), y.to(device), reduction="sum")
-            (loss_sum / local_tokens).backward()
-            total += float(loss_sum.detach().double())
-        loss = total / local_tokens
-        grads = [p.grad.detach().cpu() for p in params]
-        norm = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])))
-        if cfg.ps.consistency == "async" and t.grad_clip > 0:  # each push is a step: clip it
-            factor = min(1.0, t.grad_clip / (norm + 1e-6))
-            grads = [g * factor for g in grads] if factor < 1.0 else grads
-        model.zero_grad(set_to_none=True)
-        if cfg.ps.consistency == "async" and not math.isfinite(norm):  # train.nonfinite = "skip"
-            print(f"plait: worker {w} clock {clock}: non-finite gradient, not pushed", flush=True)
-            out.write(json.dumps({"step": clock, "worker": w, "skipped": True, "t": time.time()}) + "\n")
-            continue
+        loss, grads, norm = self.gradients()
+        if self.cfg.ps.consistency == "async" and not math.isfinite(norm):  # train.nonfinite = "skip"
+            print(f"plait: worker {self.w} clock {clock}: non-finite gradient, not pushed", flush=True)
+            return None
         t1 = time.perf_counter()
-        parts = []
-        for s, ((lo, hi), name) in enumerate(zip(ranges, servers)):
-            part = grads[lo:hi]
-            parts.append(rpc.rpc_async(name, ps.handle_push, args=(w, clock, versions[s], part, loss)))
-            ledger.record_message("push", name, _nbytes(part))
-            if cut == (w, clock):  # the failure tests: server 0 has its part, nobody else
-                parts[0].wait()
-                os.kill(os.getpid(), signal.SIGKILL)
-        for fut in parts:
+        self.push(clock, versions, grads, loss, cut)
+        store.set(f"ps/commit/{self.w}/{clock}", "1")  # the push is whole from here on
+        for fut in [rpc.rpc_async(name, ps.handle_commit, args=(self.w, clock)) for name in self.servers]:
             fut.wait()
-        store.set(f"ps/commit/{w}/{clock}", "1")  # the push is whole from here on
-        for fut in [rpc.rpc_async(name, ps.handle_commit, args=(w, clock)) for name in servers]:
-            fut.wait()
-        record = {
+        return {
             "step": clock,
-            "worker": w,
+            "worker": self.w,
             "loss": loss,
             "local_grad_norm": norm,
             "t": time.time(),
@@ -155,24 +145,71 @@ def work(cfg, w: int, store, run_dir: Path, start: int, device: torch.device) ->
             "push_s": time.perf_counter() - t1,
             "step_s": time.perf_counter() - t0,
             "versions": versions,
-            "push_bytes": ledger.total(clock, op="push"),
-            "pull_bytes": ledger.total(clock, op="pull"),
+            "push_bytes": self.ledger.total(clock, op="push"),
+            "pull_bytes": self.ledger.total(clock, op="pull"),
         }
-        if w == 0 and clock % t.log_every == 0:
+
+    def pull(self, clock: int) -> list[int]:
+        """Every server's part of the parameters into the replica; the versions they were at."""
+        pulls = [rpc.rpc_async(name, ps.handle_pull, args=(self.w, clock)) for name in self.servers]
+        versions = []
+        with torch.no_grad():
+            for (lo, hi), fut, name in zip(self.ranges, pulls, self.servers):
+                values, version = fut.wait()
+                versions.append(version)
+                for p, v in zip(self.params[lo:hi], values):
+                    p.copy_(v)
+                self.ledger.record_message("pull", name, _nbytes(values))
+        return versions
+
+    def gradients(self) -> tuple[float, list[torch.Tensor], float]:
+        """(mean token loss, gradients, their global norm) of this worker's rows of the batch;
+        under async each push is a step, so the gradients are clipped here."""
+        t, total = self.cfg.train, 0.0
+        for x, y in self.sampler.next_batch():
+            with _autocast(self.device, t.bf16):
+                loss_sum = self.model(x.to(self.device), y.to(self.device), reduction="sum")
+            (loss_sum / self.local_tokens).backward()
+            total += float(loss_sum.detach().double())
+        grads = [p.grad.detach().cpu() for p in self.params]
+        norm = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])))
+        if self.cfg.ps.consistency == "async" and t.grad_clip > 0:  # each push is a step: clip it
+            factor = min(1.0, t.grad_clip / (norm + 1e-6))
+            grads = [g * factor for g in grads] if factor < 1.0 else grads
+        self.model.zero_grad(set_to_none=True)
+        return total / self.local_tokens, grads, norm
+
+    def push(self, clock: int, versions: list[int], grads: list[torch.Tensor], loss: float, cut) -> None:
+        """Each server's part of the gradient, together (`rpc_async`), with the version it was
+        computed from."""
+        parts = []
+        for s, ((lo, hi), name) in enumerate(zip(self.ranges, self.servers)):
+            part = grads[lo:hi]
+            parts.append(rpc.rpc_async(name, ps.handle_push, args=(self.w, clock, versions[s], part, loss)))
+            self.ledger.record_message("push", name, _nbytes(part))
+            if cut == (self.w, clock):  # the failure tests: server 0 has its part, nobody else
+                parts[0].wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+        for fut in parts:
+            fut.wait()
+
+    def report(self, record: dict, window: float) -> float:
+        """Worker 0's log lines, and its held-out loss on the parameters it pulled (in `record`);
+        returns the start of the next log window."""
+        t, clock, loss = self.cfg.train, record["step"], record["loss"]
+        if clock % t.log_every == 0:
             elapsed, window = time.perf_counter() - window, time.perf_counter()
             print(
-                f"step {clock:>5}/{t.steps} | worker 0 loss {loss:.4f} | versions {versions} | "
+                f"step {clock:>5}/{t.steps} | worker 0 loss {loss:.4f} | versions {record['versions']} | "
                 f"{t.log_every / elapsed:.2f} clocks/s",
                 flush=True,
             )
-        if w == 0 and t.eval_every and clock % t.eval_every == 0 and clock != t.steps:
-            record["val_loss"] = evaluate(model, val, device)  # on the parameters it pulled
+        if t.eval_every and clock % t.eval_every == 0 and clock != t.steps:
+            record["val_loss"] = evaluate(self.model, self.val, self.device)
             print(
                 f"step {clock:>5}/{t.steps} | held-out loss {record['val_loss']:.4f} (worker 0)", flush=True
             )
-        out.write(json.dumps(record) + "\n")
-    out.close()
-    store.set(f"ps/done/{w}", "1")
+        return window
 
 
 @torch.no_grad()
@@ -189,6 +226,4 @@ def evaluate(model, batches, device) -> float:
 
 
 def _autocast(device, bf16: bool):
-    import contextlib
-
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()

@@ -10,6 +10,8 @@ rank's action list) and the actions involved, followed by the grid with the offe
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from plait.errors import ScheduleError
 from plait.pipeline.ir import Action, Schedule
 
@@ -249,31 +251,12 @@ class _Checker:
         runs those in order), and a batch once all its operations have."""
         acts = self.s.actions
         n = len(acts)
-        batch_of: list[dict[int, int]] = []  # action index -> its batch number
-        first: list[list[int]] = []  # batch number -> index of its first action
-        computes: list[list[int]] = []  # compute action indices, in order
-        before: list[list[int]] = []  # batch number -> number of compute actions before it
-        needs: list[dict[int, int]] = []  # compute action index -> batch holding its input
-        for lst in acts:
-            bo, fi, co, be, ne, recv_at = {}, [], [], [], {}, {}
-            for i, a in enumerate(lst):
-                if a.is_comm:
-                    if i == 0 or not lst[i - 1].is_comm:
-                        fi.append(i)
-                        be.append(len(co))
-                    bo[i] = len(fi) - 1
-                    if a.kind in ("RECV_F", "RECV_B"):
-                        recv_at[(a.kind, a.mb, a.stage)] = len(fi) - 1
-                else:
-                    co.append(i)
-                    key = ("RECV_F" if a.kind == "F" else "RECV_B", a.mb, a.stage)
-                    if a.kind != "W" and key in recv_at:
-                        ne[i] = recv_at[key]
-            batch_of.append(bo)
-            first.append(fi)
-            computes.append(co)
-            before.append(be)
-            needs.append(ne)
+        index = [_batch_index(lst) for lst in acts]
+        batch_of = [x.batch_of for x in index]
+        first = [x.first for x in index]
+        computes = [x.computes for x in index]
+        before = [x.before for x in index]
+        needs = [x.needs for x in index]
         comp = [0] * n  # compute actions done, per rank
         done = [0] * n  # batches done, per rank
         complete: set[tuple[int, int]] = set()  # (rank, action index) of completed operations
@@ -318,18 +301,53 @@ class _Checker:
                         progress = True
         blocked = [r for r in range(n) if comp[r] < len(computes[r]) or done[r] < len(first[r])]
         if blocked:
-            # A blocked rank waits on its first unfinished batch: a compute waits only for a batch
-            # before it, and that batch's own compute is then done, so the batch is posted.
-            parts = []
-            for r in blocked:
-                waits = ", ".join(
-                    f"{acts[r][i]} (needs rank {q} to reach step {j}, {acts[q][j]})"
-                    for i in ops(r, done[r])
-                    if (r, i) not in complete
-                    for q, j in [match[(r, i)]]
-                )
-                parts.append(f"rank {r} at step {first[r][done[r]]} waits for {waits}")
-            r0 = blocked[0]
-            self.fail(
-                f"deadlock: ranks {blocked} cannot progress; " + "; ".join(parts), (r0, first[r0][done[r0]])
+            waiting = {r: [i for i in ops(r, done[r]) if (r, i) not in complete] for r in blocked}
+            self._fail_deadlock({r: first[r][done[r]] for r in blocked}, waiting, match)
+
+    def _fail_deadlock(
+        self, at: dict[int, int], waiting: dict[int, list[int]], match: dict[tuple[int, int], tuple[int, int]]
+    ) -> None:
+        """Name each blocked rank (`at`: rank -> step of its first unfinished batch) and whom the
+        operations of that batch not yet complete (`waiting`) wait for. A blocked rank waits
+        there: a compute waits only for a batch before it, and that batch's own compute is then
+        done, so the batch is posted."""
+        acts = self.s.actions
+        parts = []
+        for r, step in at.items():
+            waits = ", ".join(
+                f"{acts[r][i]} (needs rank {q} to reach step {j}, {acts[q][j]})"
+                for i in waiting[r]
+                for q, j in [match[(r, i)]]
             )
+            parts.append(f"rank {r} at step {step} waits for {waits}")
+        r0 = next(iter(at))
+        self.fail(f"deadlock: ranks {list(at)} cannot progress; " + "; ".join(parts), (r0, at[r0]))
+
+
+class _BatchIndex(NamedTuple):
+    """One rank's actions seen as compute actions and batches of consecutive communication."""
+
+    batch_of: dict[int, int]  # action index -> its batch number
+    first: list[int]  # batch number -> index of its first action
+    computes: list[int]  # compute action indices, in order
+    before: list[int]  # batch number -> number of compute actions before it
+    needs: dict[int, int]  # compute action index -> batch holding its input
+
+
+def _batch_index(lst: list[Action]) -> _BatchIndex:
+    index = _BatchIndex({}, [], [], [], {})
+    recv_at: dict[tuple[str, int, int], int] = {}
+    for i, a in enumerate(lst):
+        if a.is_comm:
+            if i == 0 or not lst[i - 1].is_comm:
+                index.first.append(i)
+                index.before.append(len(index.computes))
+            index.batch_of[i] = len(index.first) - 1
+            if a.kind in ("RECV_F", "RECV_B"):
+                recv_at[(a.kind, a.mb, a.stage)] = len(index.first) - 1
+        else:
+            index.computes.append(i)
+            key = ("RECV_F" if a.kind == "F" else "RECV_B", a.mb, a.stage)
+            if a.kind != "W" and key in recv_at:
+                index.needs[i] = recv_at[key]
+    return index

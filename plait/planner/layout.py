@@ -1,0 +1,50 @@
+"""The planner's candidate: one way to run a step of a GPT (the record the search enumerates and
+the cost model prices)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run a step: the mesh, the sharding, the micro-batching, the schedule."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    hybrid_shard: int = 0
+    sequence_parallel: bool = False
+    microbatch_size: int = 1
+    microbatches: int = 1
+    """Pipeline micro-batches with pp > 1; gradient-accumulation micro-batches with pp = 1."""
+    schedule: str = "none"
+    virtual_stages: int = 1
+    recompute: bool = False
+    offload: str = "none"
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp * self.ep
+
+    def name(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        parts.append(f"z{self.zero_stage}")
+        if self.hybrid_shard:
+            parts.append(f"hs{self.hybrid_shard}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        parts.append(f"b{self.microbatch_size}x{self.microbatches}")
+        if self.pp > 1:
+            parts.append(
+                self.schedule + (f"-v{self.virtual_stages}" if self.schedule == "interleaved" else "")
+            )
+        if self.recompute:
+            parts.append("rc")
+        if self.offload != "none":
+            parts.append(f"off-{self.offload}")
+        return "-".join(parts)
