@@ -12,6 +12,8 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from plait.engine import model_blocks
+
 
 def apply_activation_checkpointing(model: nn.Module, block_types: tuple[type, ...] | None = None) -> int:
     """Recompute every submodule of one of `block_types` in backward (default: the blocks the
@@ -21,8 +23,6 @@ def apply_activation_checkpointing(model: nn.Module, block_types: tuple[type, ..
     with autograd hooks (data parallelism) and keeps dropout's random stream identical.
     """
     if block_types is None:
-        from plait.engine import model_blocks
-
         ids = {id(b) for b in model_blocks(model)}
         chosen = lambda m: id(m) in ids  # noqa: E731
     else:

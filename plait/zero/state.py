@@ -19,6 +19,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
 
 from plait.errors import CheckpointError
 from plait.placement import canonical_chunks, chunk_map, global_boxes, placement, split_axis
@@ -59,8 +60,6 @@ def range_boxes(flat: torch.Tensor, start: int, shape: torch.Size) -> list:
 def _sharded(chunks: list, shape: torch.Size, group):
     """A tensor of `shape` of which this rank holds `chunks` [(offsets, local tensor), ...]; the
     ranks of `group` hold the rest (ShardedTensor, which DCP saves and reshards)."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
-
     if group is None and dist.get_world_size() > 1:
         # The shard axis has one rank (dp = 1 beside tp): this rank holds the whole tensor, as its
         # tp peers do, so it is saved as a plain (replicated) tensor, which DCP writes once. A
