@@ -32,10 +32,10 @@ import tomllib
 import warnings
 from pathlib import Path
 
+import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -275,7 +275,7 @@ def _write_file(tensors, out: Path, metadata: dict, run_dir: Path, ckpt: Path, m
     }
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
+        safetensors.torch.save_file(tensors, str(tmp), metadata=metadata)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, out)
@@ -364,7 +364,7 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu"):
     header, its parameters loaded with strict=True, in the file's dtype, in eval mode."""
     metadata = exported_metadata(path)
     try:
-        state = load_file(str(path), device=str(device))
+        state = safetensors.torch.load_file(str(path), device=str(device))
     except Exception as exc:
         raise ExportError(f"{path} is not a readable safetensors file ({exc})") from None
     cfg = GPTConfig(**json.loads(metadata[META_CONFIG]))
