@@ -19,6 +19,7 @@ train: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports  # the import layers and contracts of pyproject.toml
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)

@@ -191,6 +191,7 @@ def _count(text: str) -> int | float:
 
 
 def _estimate(argv: list[str]) -> int:
+    from plait.models import gpt_config
     from plait.zero.estimate import OPTIMIZERS, PRECISIONS, estimate_memory, format_estimate
 
     parser = _Parser(
@@ -226,7 +227,8 @@ def _estimate(argv: list[str]) -> int:
         return int(exc.code or 0)
     result = estimate_memory(
         params=args.params,
-        model=args.model,
+        model=gpt_config(args.model) if args.model else None,  # the estimator knows no model names
+        name=args.model,
         dp=args.dp,
         zero_stage=args.zero_stage,
         optimizer=args.optimizer,

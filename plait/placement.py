@@ -24,6 +24,8 @@ import dataclasses
 
 import torch
 
+from plait import comm
+
 ATTR = "_plait_placement"
 
 
@@ -169,8 +171,6 @@ def global_boxes(pl: Placement, local_shape, boxes: list, mesh, axis: str = "tp"
 def gather_full(t: torch.Tensor, mesh, axis: str | None = None, pl: Placement | None = None) -> torch.Tensor:
     """The whole canonical tensor of this rank's shard `t` (collective over `axis`, by default
     the axis its placement splits it over), on the CPU."""
-    from plait import comm
-
     pl = pl or placement(t)
     axis = axis or split_axis(pl) or "tp"
     s = pl.shard(axis)

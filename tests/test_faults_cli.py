@@ -17,6 +17,7 @@ import pytest
 import plait.train.preflight as preflight
 from plait.cli import main
 from plait.comm.recorder import STACK_ENV, WATCHDOG_EXIT_CODE, FlightRecorder, Watchdog
+from plait.models import gpt_config
 from plait.train.config import load_config, parse_overrides
 from plait.train.launch import format_child_failure
 from plait.zero.estimate import estimate_memory
@@ -134,7 +135,9 @@ def test_the_memory_figure_is_the_estimators():
     for overrides, dp, stage in (([], 2, 0), (["--parallel.zero_stage", "3", "--parallel.dp", "4"], 4, 3)):
         cfg = load_config(None, parse_overrides(["--model.name", "gpt2", *overrides]))
         mem = preflight.rank_memory(cfg, use_cuda=False)
-        est = estimate_memory(model="gpt2", dp=dp, zero_stage=stage, optimizer="adamw", precision="fp32")
+        est = estimate_memory(
+            model=gpt_config("gpt2"), dp=dp, zero_stage=stage, optimizer="adamw", precision="fp32"
+        )
         states = est["model_state_bytes"]
         # tp = pp = 1: every parameter is on the rank, sharded only by ZeRO
         assert (mem["params"], mem["grads"], mem["optimizer"]) == (

@@ -77,11 +77,11 @@ def test_breakdown_hybrid_fp32_and_presets():
             ["rmsprop", "adam, adamw, sgd, lamb, lars"],
         ),
         (lambda: estimate_memory(params=100, precision="fp8"), ["fp8", "fp32, bf16, fp16"]),
-        (lambda: estimate_memory(model="gpt5"), ["gpt5", "tiny", "gpt2-xl"]),
+        (lambda: estimate_memory(model=gpt_config("gpt5")), ["gpt5", "tiny", "gpt2-xl"]),
         (lambda: estimate_memory(), ["params", "model"]),
-        (lambda: estimate_memory(params=100, model="tiny"), ["params", "model"]),
+        (lambda: estimate_memory(params=100, model=gpt_config("tiny")), ["params", "model"]),
         (lambda: estimate_memory(params=100, batch=2), ["give model"]),
-        (lambda: estimate_memory(model="tiny", batch=2, seq=64), ["seq=64", "seq_len=32"]),
+        (lambda: estimate_memory(model=gpt_config("tiny"), batch=2, seq=64), ["seq=64", "seq_len=32"]),
         (lambda: activation_bytes(gpt_config("tiny"), 1, tp=3), ["tp=3", "n_head=2", "1, 2"]),
     ],
 )
@@ -95,8 +95,8 @@ def test_bad_input_names_the_key_and_valid_values(call, words):
 def test_named_model_uses_its_exact_parameter_count():
     for name in ("tiny", "small"):
         real = sum(p.numel() for p in GPT(gpt_config(name)).parameters())
-        assert estimate_memory(model=name)["params"] == real
-    r = estimate_memory(model="gpt2", dp=8, zero_stage=3)
+        assert estimate_memory(model=gpt_config(name))["params"] == real
+    r = estimate_memory(model=gpt_config("gpt2"), dp=8, zero_stage=3)
     assert r["params"] == 124_439_808  # GPT-2 small with tied embeddings, as commonly quoted
     assert r["model_state_bytes"]["total"] == 16 * 124_439_808 // 8
 
@@ -113,7 +113,7 @@ def test_activation_formula_by_hand():
     # Tensor parallel, t=2: s·b·h·(10 + 24/t + 5as/(ht)); with sequence parallel all of it over t.
     assert activation_bytes(cfg, b, tp=2) == L * s * b * h * (10 + 12 + 10)
     assert activation_bytes(cfg, b, tp=2, sequence_parallel=True) == 7_077_888 // 2
-    r = estimate_memory(model="small", batch=b, recompute=True)
+    r = estimate_memory(model=gpt_config("small"), batch=b, recompute=True)
     assert r["seq"] == 128 and r["activation_bytes"] == L * 2 * s * b * h
     assert r["activation_gb"] == r["activation_bytes"] / 1e9
     assert r["total_gb"] == pytest.approx(r["model_state_gb"] + r["activation_gb"])

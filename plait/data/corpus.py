@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from plait.data import sources
-from plait.data.tokenizer import ByteTokenizer
+from plait.data import tokens as cache
+from plait.data.tokenizer import ByteTokenizer, load_tokenizer_file
 from plait.errors import ConfigError
 
 CORPUS_NAMES = ("pydoc", "file:PATH", "PATH (a text file or a directory of .txt / .jsonl files)")
@@ -99,8 +100,6 @@ def load_corpus(
     (plait.data.tokens; default $PLAIT_CACHE_DIR or ~/.cache/plait). ``progress``: a progress bar
     while tokenizing (shown by one process only).
     """
-    from plait.data import tokens as cache
-
     if not isinstance(held_out_fraction, int | float) or not 0 < held_out_fraction <= 0.5:
         raise ConfigError(f"held_out_fraction must be in (0, 0.5], got {held_out_fraction!r}")
     files = sources.corpus_files(name)  # an unknown name, a bad path, an empty directory: ConfigError
@@ -127,8 +126,6 @@ def load_corpus(
         tok = cache.cached_bpe(root, key, lambda: text.get()[0], vocab_size, progress)
         tok.name = "bpe"
     else:
-        from plait.data.tokenizer import load_tokenizer_file
-
         tok = load_tokenizer_file(tokenizer)
     entry = root / "tokens" / cache.cache_key(fingerprint, held_out_fraction, tok.fingerprint)
     found = cache.open_entry(entry)

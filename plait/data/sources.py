@@ -99,6 +99,7 @@ def _jsonl_documents(spec: str, path: Path, raw: bytes) -> list[bytes]:
 
 
 def _pydoc_bytes() -> bytes:
+    # Here: a megabyte of text that only this corpus reads, and some Python builds leave it out.
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from plait.errors import ConfigError
 
@@ -118,8 +119,6 @@ def text_pieces(text: str, size: int = CHUNK_CHARS) -> list[str]:
 def train_bpe(texts, vocab_size: int, progress: bool = False) -> HFTokenizer:
     """A byte-level BPE of at most `vocab_size` ids trained on `texts` (strings: pieces of the
     training split). Deterministic: the same text and size give the same tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # exact round trip
     tok.decoder = decoders.ByteLevel()
@@ -137,8 +136,6 @@ def train_bpe(texts, vocab_size: int, progress: bool = False) -> HFTokenizer:
 
 def load_tokenizer_file(path: str | Path) -> HFTokenizer:
     """A ``tokenizer.json`` (Hugging Face `tokenizers` format), or a ConfigError naming the key."""
-    from tokenizers import Tokenizer
-
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / "tokenizer.json"

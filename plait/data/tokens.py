@@ -26,6 +26,9 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
+
+from plait.data.tokenizer import load_tokenizer_file, text_pieces, train_bpe
 
 STATS = {"tokenized": 0, "bpe_trained": 0}
 """How many times this process tokenized a corpus split pair / trained a BPE (for tests)."""
@@ -77,10 +80,6 @@ def show_progress() -> bool:
 
 def write_entry(entry: Path, splits: dict, tokenizer, meta: dict, progress: bool) -> None:
     """Tokenize `splits` ({"train": text or bytes, "val": ...}) into the cache entry `entry`."""
-    from tqdm import tqdm
-
-    from plait.data.tokenizer import text_pieces
-
     dtype = token_dtype(tokenizer.vocab_size)
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = _private_name(entry)
@@ -140,8 +139,6 @@ def open_entry(entry: Path) -> tuple[np.memmap, np.memmap, dict] | None:
 def cached_bpe(cache: Path, key: str, train_text, vocab_size: int, progress: bool = False):
     """The BPE trained on the training split (`train_text()` gives it), from the cache or trained
     now and cached."""
-    from plait.data.tokenizer import load_tokenizer_file, text_pieces, train_bpe
-
     path = cache / "bpe" / f"{key}.json"
     if path.is_file():
         return load_tokenizer_file(path)

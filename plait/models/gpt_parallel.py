@@ -18,21 +18,21 @@ checkpoints stay layout-free. With tied embedding and head the first and the las
 one Parameter (the pipeline engine sums its gradients when they live on different ranks).
 
 `gpt_plan` is Megatron-LM's tensor-parallel split of the GPT (Shoeybi et al. 2019, §3), with
-sequence parallelism (Korthikanti et al. 2022) on the LayerNorms, dropouts and positions.
+sequence parallelism (Korthikanti et al. 2022) on the LayerNorms, dropouts and positions: data,
+the records of `plait.tp_plan`, which `plait.tensor_parallel.apply_tp` applies.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from plait.pipeline.stage import stage_bounds
-from plait.placement import set_grad_partial
-from plait.tensor_parallel.apply import (
+from plait.tp_plan import (
     Colwise,
+    ExpertsReplicated,
     ParallelRandom,
     PositionSharded,
     Rowwise,
@@ -102,29 +102,6 @@ def split_gpt(model, n_stages: int, split: str | Callable = "uniform") -> list[G
         last=[("ln_f", model.ln_f), *head],
     )
     return [GPTStage(model, i, n_stages, bounds[i], bounds[i + 1]) for i in range(n_stages)]
-
-
-@dataclasses.dataclass
-class ExpertsReplicated:
-    """The tensor-parallel style of a mixture-of-experts MLP (`MoEFeedForward`): its router and
-    experts stay whole on every tp rank (the experts are split over ep, not tp), and every tp
-    rank routes the same tokens. Under sequence parallelism its input is a sequence shard: the
-    layer gathers the whole sequences (so the routing groups are those of one process), computes
-    them, and keeps its shard of the output; each rank's parameter gradients then come from its
-    own shard's tokens only, so they are partial over tp (summed there by the gradient
-    synchroniser), and the auxiliary losses join the objective 1/tp per rank."""
-
-    dim: str | None = None
-
-    def apply(self, name: str, m: nn.Module, ctx) -> nn.Module:
-        from plait.tensor_parallel.rng import run_on_parallel_stream
-
-        if ctx.sequence_parallel:
-            m.sequence_parallel = (ctx.mesh, ctx.axis, ctx.seq_dim)
-            for p in m.parameters():
-                set_grad_partial(p, ctx.axis)
-            run_on_parallel_stream(m.dropout, ctx.rng)
-        return m
 
 
 def gpt_plan(tie_weights: bool = True, moe_layers: tuple[int, ...] = (), n_layer: int = 0) -> dict:

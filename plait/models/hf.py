@@ -22,7 +22,8 @@ and split it like its own GPT:
 GPT-2's ``Conv1D`` layers (a transposed Linear) become ``nn.Linear`` at build time so the generic
 Colwise/Rowwise styles split them; `to_hf_state_dict` transposes them back for export. Attention
 is ``torch.nn.functional.scaled_dot_product_attention`` with a causal mask, as transformers'
-"sdpa" implementation computes it. The parallel layouts are in `plait.models.hf_parallel`.
+"sdpa" implementation computes it. The blocks are in `plait.models.hf_blocks`, the parallel layouts
+in `plait.models.hf_parallel`.
 """
 
 from __future__ import annotations
@@ -31,10 +32,21 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plait.models.gpt import GPT, _identity, cross_entropy
+from plait.models.hf_blocks import (
+    CONV1D,
+    GPT2Block,
+    LlamaBlock,
+    _linear_from_conv1d,
+    embed,
+    final_norm,
+    hf_model_class,
+    hf_state_from,
+)
+from plait.models.hf_parallel import hf_plan, split_hf
+from plait.models.hf_weights import load_weights
 
 HF_ARCHS = ("gpt2", "llama")
 
@@ -143,93 +155,6 @@ class HFConfig:
         )
 
 
-def hf_model_class(arch: str):
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM
-
-    return {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}[arch]
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of (B, heads, T, hd) q on (B, kv heads, T, hd) k, v: each key/value head
-    serves the consecutive group of query heads it is repeated for (grouped-query attention).
-    `scale` is 1/sqrt(hd) for both models: the configs plait builds use neither GPT-2's per-layer
-    scaling nor Llama's separate head_dim."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021) in the half-split layout Llama uses: the pair
-    (x_i, x_{i + hd/2}) is rotated by the angle of frequency i."""
-    half = x.shape[-1] // 2
-    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + turned * sin
-
-
-class LlamaBlock(nn.Module):
-    """One Llama decoder layer (pre-RMSNorm attention with rotary positions, then SwiGLU MLP)
-    holding the transformers layer's submodules under their names."""
-
-    def __init__(self, layer: nn.Module, rotary: nn.Module):
-        super().__init__()
-        self.input_layernorm = layer.input_layernorm
-        self.self_attn = layer.self_attn
-        self.post_attention_layernorm = layer.post_attention_layernorm
-        self.mlp = layer.mlp
-        self._rotary = (rotary,)  # shared by the layers, owned by the model (a tuple: no submodule)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._attend(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def _attend(self, h: torch.Tensor) -> torch.Tensor:
-        a = self.self_attn
-        q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
-        B, T, _ = q.shape  # the whole sequence, also when h is a sequence shard
-        q, k, v = (t.view(B, T, -1, a.head_dim).transpose(1, 2) for t in (q, k, v))
-        positions = torch.arange(T, device=q.device).unsqueeze(0)
-        cos, sin = self._rotary[0](q, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        y = _sdpa(_rotate(q, cos, sin), _rotate(k, cos, sin), v, a.head_dim**-0.5)
-        return a.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class GPT2Block(nn.Module):
-    """One GPT-2 block (pre-LayerNorm attention with a fused qkv, then the GELU MLP) holding the
-    transformers block's submodules under their names."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.ln_1, self.attn, self.ln_2, self.mlp = block.ln_1, block.attn, block.ln_2, block.mlp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._attend(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-    def _attend(self, h: torch.Tensor) -> torch.Tensor:
-        a = self.attn
-        qkv = a.c_attn(h)
-        B, T, _ = qkv.shape
-        q, k, v = (t.view(B, T, -1, a.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
-        y = _sdpa(q, k, v, a.head_dim**-0.5)
-        return a.resid_dropout(a.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
-
-
-CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-"""GPT-2's Conv1D layers, by name within a block (converted to nn.Linear, transposed)."""
-
-
-def _linear_from_conv1d(conv: nn.Module) -> nn.Linear:
-    n_in, n_out = conv.weight.shape  # Conv1D keeps (in, out): y = x W + b
-    lin = nn.Linear(n_in, n_out, device=conv.weight.device, dtype=conv.weight.dtype)
-    with torch.no_grad():
-        lin.weight.copy_(conv.weight.t())
-        lin.bias.copy_(conv.bias)
-    return lin
-
-
 class HFCausalLM(nn.Module):
     """A transformers causal LM under plait's model contract (module docstring). Parameter names
     are the transformers model's (``model.*``/``transformer.*`` and ``lm_head.weight``)."""
@@ -269,13 +194,9 @@ class HFCausalLM(nn.Module):
         return list(self.layers)
 
     def pipeline_split(self, n_stages: int, split="uniform") -> list[nn.Module]:
-        from plait.models.hf_parallel import split_hf
-
         return split_hf(self, n_stages, split)
 
     def tp_plan(self) -> dict:
-        from plait.models.hf_parallel import hf_plan
-
         return hf_plan(self.cfg.arch, self.cfg.tie_weights)
 
     def forward(
@@ -302,31 +223,9 @@ class HFCausalLM(nn.Module):
         return hf_state_from(self.cfg.arch, dict(self.named_parameters(remove_duplicate=False)))
 
 
-def hf_state_from(arch: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` in plait's layout (names are transformers') -> transformers' layouts."""
-    if arch != "gpt2":
-        return dict(state)
-    conv = tuple(f"{n}.weight" for n in CONV1D)
-    return {k: (v.t() if k.endswith(conv) else v) for k, v in state.items()}
-
-
-def embed(arch: str, root: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    """The first stage's work: token (and GPT-2's learned position) embeddings of `idx`."""
-    if arch == "llama":
-        return root.embed_tokens(idx)
-    pos = torch.arange(idx.shape[1], device=idx.device)
-    return root.drop(root.wte(idx) + root.wpe(pos))
-
-
-def final_norm(arch: str, root: nn.Module) -> nn.Module:
-    return root.norm if arch == "llama" else root.ln_f
-
-
 def build_hf(cfg: HFConfig) -> HFCausalLM:
     """A fresh transformers model of `cfg` (initialised by transformers under the current torch
     seed, or loaded from ``cfg.weights``) wrapped as an `HFCausalLM`."""
-    from plait.models.hf_weights import load_weights
-
     hf = hf_model_class(cfg.arch)(cfg.to_hf_config())
     if cfg.weights:
         load_weights(hf, cfg.weights)

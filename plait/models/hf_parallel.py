@@ -26,9 +26,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from plait.models.hf import embed, final_norm
+from plait.models.hf_blocks import embed, final_norm
 from plait.pipeline.stage import stage_bounds
-from plait.tensor_parallel.apply import (
+from plait.tp_plan import (
     Colwise,
     PositionSharded,
     Rowwise,

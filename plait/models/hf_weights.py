@@ -13,8 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from plait.errors import ConfigError
+from plait.models.hf_blocks import hf_model_class, hf_state_from
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -50,8 +53,6 @@ def _expected(hf_model) -> tuple[dict[str, tuple], set[str]]:
 
 def check_weights(hf_model, path: str | Path) -> None:
     """The file's names and shapes are those of `hf_model` (read from the header only)."""
-    from safetensors import safe_open
-
     f = weights_file(path)
     try:
         with safe_open(str(f), framework="pt") as fh:
@@ -78,8 +79,6 @@ def check_weights(hf_model, path: str | Path) -> None:
 
 def load_weights(hf_model, path: str | Path) -> None:
     """Copy the weights of DIR into `hf_model` (a transformers model), names and shapes checked."""
-    from safetensors.torch import load_file
-
     check_weights(hf_model, path)
     state = load_file(str(weights_file(path)))
     params = dict(hf_model.named_parameters(remove_duplicate=False))
@@ -91,8 +90,6 @@ def load_weights(hf_model, path: str | Path) -> None:
 def save_hf(cfg, state: dict[str, torch.Tensor], out: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """Write `state` (plait's layout of an hf model of config `cfg`, transformers' names) as a
     save_pretrained directory at `out`: config.json and model.safetensors."""
-    from plait.models.hf import hf_model_class, hf_state_from
-
     hf = hf_model_class(cfg.arch)(cfg.to_hf_config())
     hf.load_state_dict(hf_state_from(cfg.arch, state), strict=True)
     hf.to(dtype)

@@ -10,6 +10,8 @@ from pathlib import Path
 def plot_expert_load(records: list[dict], out: Path, title: str = "") -> Path | None:
     """expert_load.png from metrics.jsonl records carrying "moe" (see plait.train.loop); None
     when no record does."""
+    # Here, not at the top: the Agg backend must be chosen before pyplot loads, and only plots
+    # pay matplotlib's import.
     import matplotlib
 
     matplotlib.use("Agg")

@@ -58,8 +58,8 @@ from collections.abc import Iterable
 import torch
 
 from plait import comm
-from plait.data_parallel.ddp import GradBucket, allreduce_mean_hook, build_buckets
 from plait.errors import ConfigError
+from plait.gradsync import GradBucket, build_buckets
 
 
 class _Local:
@@ -118,8 +118,8 @@ class MomentumHook:
         return self.optimizer is not None and self.optimizer.steps_done >= self.freeze_step
 
     def __call__(self, bucket: GradBucket, mesh, axis: str):
-        if not self.compressing:
-            return allreduce_mean_hook(bucket, mesh, axis)
+        if not self.compressing:  # the plain data-parallel all-reduce (its buffer holds grads / n)
+            return comm.all_reduce(bucket.buffer, mesh, axis, async_op=True)
         return _Local(bucket.buffer.mul_(mesh.size(axis)))
 
     def reduce_scatter(self, bucket, out: torch.Tensor, lo: int, hi: int, mesh, axis: str):

@@ -73,6 +73,8 @@ def render_png(panels: list[tuple[str, SimResult | list[Event], int]], path: str
     Simulated timelines (SimResult) are in cost units, measured ones (a list of Events) in seconds
     from their first start; panels share the x axis when all are in the same unit. Bars are coloured
     by kind; a rank's later chunks (interleaved, ZB-V) are drawn lighter."""
+    # Here, not at the top: the Agg backend must be chosen before pyplot loads, and only plots
+    # pay matplotlib's import.
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,7 +1,8 @@
 """`plait plan`: choose a layout automatically (Alpa, Zheng et al. 2022), from a cost model built of
 plait's own formulas (Narayanan et al. 2021 for FLOPs and tensor/pipeline communication).
 
-cluster.py (devices and links), cost.py (one layout's time and memory), stages.py (Alpa's
+cluster.py (`load_cluster`: a preset, this machine or a file; the records and presets in
+hardware.py, the file format in cluster_file.py), cost.py (one layout's time and memory), stages.py (Alpa's
 inter-operator DP; the pipeline through plait's simulator), search.py (enumerate, prune, rank),
 calibrate.py (`plait plan --calibrate`: this machine measured as the cluster `this`), auto.py
 (`plait train --parallel.plan auto`).

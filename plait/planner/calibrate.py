@@ -41,7 +41,12 @@ from pathlib import Path
 
 import torch
 
+from plait.comm.ledger import bus_bytes
+from plait.errors import ConfigError
 from plait.planner import probes
+from plait.planner.cluster_file import read_calibration_key, read_cluster_file
+from plait.testing import run_ranks
+from plait.train.peak import _cpu_model
 
 CALIBRATION_VERSION = 3
 """Bumped when what is measured changes: older caches are measured again."""
@@ -55,8 +60,6 @@ def cache_path() -> Path:
 
 def machine_key() -> dict:
     """What a calibration is valid for: a change in any of these measures again."""
-    from plait.train.peak import _cpu_model
-
     return {
         "version": CALIBRATION_VERSION,
         "host": platform.node(),
@@ -86,9 +89,7 @@ def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
 
 
 def calibrate(quiet: bool = False) -> dict:
-    """Measure this machine: the fields of a cluster file (see `plait.planner.cluster`)."""
-    from plait.testing import run_ranks
-
+    """Measure this machine: the fields of a cluster file (see `plait.planner.cluster_file`)."""
     key = machine_key()
     cores = key["cores"]
     t_start = time.perf_counter()
@@ -106,7 +107,7 @@ def calibrate(quiet: bool = False) -> dict:
         results = run_ranks(probes.ranks_measure, world, args=(cores, probes.SIZES, probes.REPS), timeout=120)
         rank_tflops.append((world, round(min(r["flops"] for r in results) / 1e12, 6)))
         for (op, n), points in sorted(results[0]["times"].items()):
-            alpha, beta = fit_alpha_beta([_bus(op, s, n) for s, _ in points], [t for _, t in points])
+            alpha, beta = fit_alpha_beta([bus_bytes(op, s, n) for s, _ in points], [t for _, t in points])
             collectives.append(
                 {"op": op, "ranks": n, "world": world, "alpha_us": alpha * 1e6, "beta_gbps": beta / 1e9}
             )
@@ -133,12 +134,6 @@ def calibrate(quiet: bool = False) -> dict:
         "collective": collectives,
         "calibration": key | {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")},
     }
-
-
-def _bus(op: str, payload: int, n: int) -> float:
-    from plait.comm.ledger import bus_bytes
-
-    return bus_bytes(op, payload, n)
 
 
 def _summary_link(collectives: list[dict]) -> dict:
@@ -176,13 +171,10 @@ def to_toml(fields: dict) -> str:
 
 def load_this(recalibrate: bool = False, quiet: bool = False):
     """The `this` cluster: the cache when it matches this machine, else measured (and cached)."""
-    from plait.errors import ConfigError
-    from plait.planner.cluster import load_cluster, read_calibration_key
-
     path = cache_path()
     if not recalibrate and path.is_file() and read_calibration_key(path) == machine_key():
         try:
-            return load_cluster(str(path))
+            return read_cluster_file(str(path))
         except ConfigError:  # a damaged or hand-edited cache: measure again
             pass
     if not quiet:
@@ -190,7 +182,7 @@ def load_this(recalibrate: bool = False, quiet: bool = False):
         sys.stderr.write(f"plait: calibrating this machine ({why}; about a minute), cached in {path}\n")
     fields = calibrate(quiet=quiet)
     write_cache(fields, path)
-    return load_cluster(str(path))
+    return read_cluster_file(str(path))
 
 
 def write_cache(fields: dict, path: Path | None = None) -> Path:

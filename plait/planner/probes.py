@@ -11,6 +11,16 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+from plait.layout import Layout
+from plait.mesh import Mesh
+from plait.models import GPT
+from plait.models.flops import gpt_train_flops_per_token
+from plait.models.gpt import GPTConfig
+from plait.parallelize import parallelize
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20, 16 * 2**20)
@@ -85,11 +95,6 @@ def matmul_flops(threads: int, n: int = 768, seconds: float = 0.4) -> float:
 def ranks_measure(cores: int, sizes: tuple[int, ...], reps: int) -> dict:
     """In each rank of a gloo world: the concurrent matmul rate, then every op at every size over
     the whole world and (world 4) over pairs. Returns {"flops": f, "times": {(op, n): [(bytes, s)]}}."""
-    import torch.distributed as dist
-
-    from plait import comm
-    from plait.mesh import Mesh
-
     world = dist.get_world_size()
     threads = threads_per_rank(world, cores)
     torch.set_num_threads(threads)
@@ -150,14 +155,6 @@ def pipeline_probe(kinds: tuple[str, ...]) -> dict:
     micro-batch of a stage's share (a plain forward + backward of the 2-block GPT, timed here): what
     the engine adds per micro-batch beyond the compute the efficiency probe prices, its
     actions' bookkeeping and point-to-point calls."""
-    import torch.distributed as dist
-
-    from plait.layout import Layout
-    from plait.mesh import Mesh
-    from plait.models import GPT
-    from plait.models.gpt import GPTConfig
-    from plait.parallelize import parallelize
-
     torch.set_num_threads(1)
     mesh = Mesh(pp=dist.get_world_size(), watchdog=False)
     tiny = {"vocab_size": 256, "seq_len": 8, "n_head": 2, "d_model": 16}
@@ -194,10 +191,6 @@ def tp_rank_model(cfg, tp: int):
     """plait's GPT as one of `tp` tensor-parallel ranks computes it, without the collectives:
     q/k/v and the MLP's first layer split by columns (whole heads), the two output projections by
     rows, the tied embedding and head by vocabulary rows (Megatron-LM §3); the norms whole."""
-    from torch import nn
-
-    from plait.models import GPT
-
     model = GPT(dataclasses.replace(cfg, vocab_size=cfg.vocab_size // tp))
     h, f, bias = cfg.d_model, cfg.ff_dim, cfg.bias
     if tp > 1:
@@ -215,9 +208,6 @@ def efficiency_curve(widths=WIDTHS, rows=ROWS, shares=TP_SHARES, bar: Bar | None
     (`tp_rank_model`; tp 1: the whole model): its share of the model FLOPs per second over the
     matmul's measured just before (the median of three such ratios, each pair measured moments
     apart)."""
-    from plait.models.flops import gpt_train_flops_per_token
-    from plait.models.gpt import GPTConfig
-
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     out = []

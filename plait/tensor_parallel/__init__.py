@@ -8,6 +8,7 @@ The differentiable collectives they are built from live in `plait.comm.autograd`
 
 from plait.tensor_parallel.apply import (
     Colwise,
+    ExpertsReplicated,
     ParallelRandom,
     PositionSharded,
     Rowwise,
@@ -36,6 +37,7 @@ __all__ = [
     "check_krizhevsky",
     "krizhevsky_comm",
     "Colwise",
+    "ExpertsReplicated",
     "ParallelRandom",
     "PositionSharded",
     "Rowwise",

@@ -1,6 +1,8 @@
 """`apply_tp`: split a built model over the mesh's tp axis by a plan (Megatron-LM §3).
 
-A plan maps module names (fnmatch patterns, e.g. ``"blocks.*.mlp.fc"``) to styles:
+A plan maps module names (fnmatch patterns, e.g. ``"blocks.*.mlp.fc"``) to styles, the records
+of `plait.tp_plan` (a model declares its plan with them and imports nothing of this package);
+`APPLY` says how each is applied:
 
 * `Colwise(fused=1)`: an nn.Linear becomes a `ColumnParallelLinear`. ``fused=k`` says the
   output features are k blocks laid end to end (a fused qkv: ``[q | k | v]``): each rank then
@@ -15,6 +17,12 @@ A plan maps module names (fnmatch patterns, e.g. ``"blocks.*.mlp.fc"``) to style
   differ across tp ranks: it runs on the per-rank stream of `ParallelRNG`.
 * `SequenceSharded()` (sequence parallelism only): a module applied to sequence shards whose
   parameters stay replicated (LayerNorm): its parameters get partial gradients, summed over tp.
+* `PositionSharded()`: under sequence parallelism the embedding returns its shard's positions.
+* `ExpertsReplicated()`: a mixture-of-experts MLP kept whole; under sequence parallelism forward
+  hooks gather its input sequences and cut its output back to the rank's shard.
+
+A style of any other type applies itself (``style.apply(name, module, ctx)``), as a model-specific
+one may (`plait.models.hf_parallel.LocalHeads`).
 
 Nothing here knows a particular model: a model declares its own plan (``model.tp_plan()``,
 which `apply_tp` uses when given none; plait's GPT's is `plait.models.gpt_parallel.gpt_plan`),
@@ -37,7 +45,7 @@ import functools
 import torch
 from torch import nn
 
-from plait.comm.autograd import gather_from_parallel
+from plait.comm.autograd import gather_from_parallel, gather_from_sequence
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.placement import _fused_order, gather_full, set_grad_partial, update_shard
@@ -48,6 +56,16 @@ from plait.tensor_parallel.layers import (
 )
 from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
 from plait.tensor_parallel.rng import ParallelRNG, run_on_parallel_stream
+from plait.tp_plan import (
+    Colwise,
+    ExpertsReplicated,
+    ParallelRandom,
+    PositionSharded,
+    Rowwise,
+    SequenceSharded,
+    VocabEmbedding,
+    VocabHead,
+)
 
 
 @dataclasses.dataclass
@@ -60,131 +78,103 @@ class _Ctx:
     model: nn.Module
 
 
-@dataclasses.dataclass
-class Colwise:
-    fused: int = 1
-    gather_output: bool = False
-    dim: str | None = None  # the named tensor dim it splits (layout rules)
-
-    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
-        _expect(name, m, nn.Linear, self)
-        t = ctx.mesh.size(ctx.axis)
-        w, b = m.weight.detach(), None if m.bias is None else m.bias.detach()
-        if m.out_features % (self.fused * t):
-            raise ConfigError(
-                f"{name}: {m.out_features} output features in {self.fused} block(s) do not split over "
-                f"tp = {t}: each block must be divisible by tp (for attention: heads by tp)"
-            )
-        if self.fused > 1:  # [q | k | v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: contiguous per rank
-            order = _fused_order(m.out_features, self.fused, t)
-            w, b = w[order], None if b is None else b[order]
-        new = ColumnParallelLinear(
-            m.in_features,
-            m.out_features,
-            ctx.mesh,
-            ctx.axis,
-            bias=b is not None,
-            gather_output=self.gather_output,
-            sequence_parallel=ctx.sequence_parallel,
-            seq_dim=ctx.seq_dim,
-            full_weight=w,
-            full_bias=b,
+def _colwise(style: Colwise, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+    _expect(name, m, nn.Linear, style)
+    t = ctx.mesh.size(ctx.axis)
+    w, b = m.weight.detach(), None if m.bias is None else m.bias.detach()
+    if m.out_features % (style.fused * t):
+        raise ConfigError(
+            f"{name}: {m.out_features} output features in {style.fused} block(s) do not split over "
+            f"tp = {t}: each block must be divisible by tp (for attention: heads by tp)"
         )
-        for p in new.parameters():
-            update_shard(p, ctx.axis, fused=self.fused, full=m.out_features)
-        return new
+    if style.fused > 1:  # [q | k | v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: contiguous per rank
+        order = _fused_order(m.out_features, style.fused, t)
+        w, b = w[order], None if b is None else b[order]
+    new = ColumnParallelLinear(
+        m.in_features,
+        m.out_features,
+        ctx.mesh,
+        ctx.axis,
+        bias=b is not None,
+        gather_output=style.gather_output,
+        sequence_parallel=ctx.sequence_parallel,
+        seq_dim=ctx.seq_dim,
+        full_weight=w,
+        full_bias=b,
+    )
+    for p in new.parameters():
+        update_shard(p, ctx.axis, fused=style.fused, full=m.out_features)
+    return new
 
 
-@dataclasses.dataclass
-class Rowwise:
-    dim: str | None = None
-
-    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
-        _expect(name, m, nn.Linear, self)
-        t = ctx.mesh.size(ctx.axis)
-        if m.in_features % t:
-            raise ConfigError(f"{name}: in_features = {m.in_features} is not divisible by tp = {t}")
-        new = RowParallelLinear.from_linear(
-            m, ctx.mesh, ctx.axis, sequence_parallel=ctx.sequence_parallel, seq_dim=ctx.seq_dim
-        )
-        update_shard(new.weight, ctx.axis, full=m.in_features)
-        return new
+def _rowwise(style: Rowwise, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+    _expect(name, m, nn.Linear, style)
+    t = ctx.mesh.size(ctx.axis)
+    if m.in_features % t:
+        raise ConfigError(f"{name}: in_features = {m.in_features} is not divisible by tp = {t}")
+    new = RowParallelLinear.from_linear(
+        m, ctx.mesh, ctx.axis, sequence_parallel=ctx.sequence_parallel, seq_dim=ctx.seq_dim
+    )
+    update_shard(new.weight, ctx.axis, full=m.in_features)
+    return new
 
 
-@dataclasses.dataclass
-class VocabEmbedding:
-    dim: str | None = "vocab"
-
-    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
-        _expect(name, m, nn.Embedding, self)
-        new = VocabParallelEmbedding.from_embedding(
-            m, ctx.mesh, ctx.axis, sequence_parallel=ctx.sequence_parallel, seq_dim=ctx.seq_dim
-        )
-        update_shard(new.weight, ctx.axis, full=m.num_embeddings)
-        return new
+def _vocab_embedding(style: VocabEmbedding, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+    _expect(name, m, nn.Embedding, style)
+    new = VocabParallelEmbedding.from_embedding(
+        m, ctx.mesh, ctx.axis, sequence_parallel=ctx.sequence_parallel, seq_dim=ctx.seq_dim
+    )
+    update_shard(new.weight, ctx.axis, full=m.num_embeddings)
+    return new
 
 
-@dataclasses.dataclass
-class VocabHead:
-    tie: str | None = None  # the VocabEmbedding module whose shard this head shares
-    dim: str | None = "vocab"
-
-    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
-        _expect(name, m, nn.Linear, self)
-        t = ctx.mesh.size(ctx.axis)
-        vocab = m.out_features
-        padded = -(-vocab // t) * t
-        tied = ctx.model.get_submodule(self.tie) if self.tie else None
-        full = torch.zeros(padded, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
-        if tied is None:
-            full[:vocab] = m.weight.detach()
-        new = ColumnParallelLinear(
-            m.in_features,
-            padded,
-            ctx.mesh,
-            ctx.axis,
-            bias=False,
-            sequence_parallel=ctx.sequence_parallel,
-            seq_dim=ctx.seq_dim,
-            full_weight=full,
-        )
-        if m.bias is not None:
-            raise ConfigError(f"{name}: a vocabulary head with a bias is not supported")
-        if tied is not None:
-            if not isinstance(tied, VocabParallelEmbedding):
-                raise ConfigError(f"{name}: tie={self.tie!r} must name a module split with VocabEmbedding()")
-            new.weight = tied.weight
-        else:
-            update_shard(new.weight, ctx.axis, full=vocab)
-        model = ctx.model
-        model.loss_fn = functools.partial(_tp_loss, mesh=ctx.mesh, axis=ctx.axis, vocab=vocab)
-        model.output_fn = functools.partial(_tp_logits, mesh=ctx.mesh, axis=ctx.axis, vocab=vocab)
-        return new
+def _vocab_head(style: VocabHead, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+    _expect(name, m, nn.Linear, style)
+    t = ctx.mesh.size(ctx.axis)
+    vocab = m.out_features
+    padded = -(-vocab // t) * t
+    tied = ctx.model.get_submodule(style.tie) if style.tie else None
+    full = torch.zeros(padded, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
+    if tied is None:
+        full[:vocab] = m.weight.detach()
+    new = ColumnParallelLinear(
+        m.in_features,
+        padded,
+        ctx.mesh,
+        ctx.axis,
+        bias=False,
+        sequence_parallel=ctx.sequence_parallel,
+        seq_dim=ctx.seq_dim,
+        full_weight=full,
+    )
+    if m.bias is not None:
+        raise ConfigError(f"{name}: a vocabulary head with a bias is not supported")
+    if tied is not None:
+        if not isinstance(tied, VocabParallelEmbedding):
+            raise ConfigError(f"{name}: tie={style.tie!r} must name a module split with VocabEmbedding()")
+        new.weight = tied.weight
+    else:
+        update_shard(new.weight, ctx.axis, full=vocab)
+    model = ctx.model
+    model.loss_fn = functools.partial(_tp_loss, mesh=ctx.mesh, axis=ctx.axis, vocab=vocab)
+    model.output_fn = functools.partial(_tp_logits, mesh=ctx.mesh, axis=ctx.axis, vocab=vocab)
+    return new
 
 
-@dataclasses.dataclass
-class ParallelRandom:
-    dim: str | None = None  # random per rank only where this dim is split
-
-    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
-        if any(True for _ in m.parameters(recurse=False)):
-            raise ConfigError(f"{name}: ParallelRandom is for parameter-free modules (dropout, attention)")
-        run_on_parallel_stream(m, ctx.rng)
-        return m
+def _parallel_random(style: ParallelRandom, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+    if any(True for _ in m.parameters(recurse=False)):
+        raise ConfigError(f"{name}: ParallelRandom is for parameter-free modules (dropout, attention)")
+    run_on_parallel_stream(m, ctx.rng)
+    return m
 
 
-@dataclasses.dataclass
-class SequenceSharded:
-    """Parameters stay whole; with sequence parallelism their gradients are partial (summed
-    over tp by the trainer); its dropouts draw per-rank masks."""
-
-    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
-        if ctx.sequence_parallel:
-            for p in m.parameters():
-                set_grad_partial(p, ctx.axis)
-            if isinstance(m, nn.Dropout):
-                run_on_parallel_stream(m, ctx.rng)
-        return m
+def _sequence_sharded(style: SequenceSharded, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+    if ctx.sequence_parallel:
+        for p in m.parameters():
+            set_grad_partial(p, ctx.axis)
+        if isinstance(m, nn.Dropout):
+            run_on_parallel_stream(m, ctx.rng)
+    return m
 
 
 class PositionShard(nn.Module):
@@ -209,11 +199,46 @@ class PositionShard(nn.Module):
         return nn.functional.embedding(pos[r * n // t : (r + 1) * n // t], self.weight)
 
 
-@dataclasses.dataclass
-class PositionSharded:
-    def apply(self, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
-        _expect(name, m, nn.Embedding, self)
-        return PositionShard(m, ctx.mesh, ctx.axis) if ctx.sequence_parallel else m
+def _position_sharded(style: PositionSharded, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+    _expect(name, m, nn.Embedding, style)
+    return PositionShard(m, ctx.mesh, ctx.axis) if ctx.sequence_parallel else m
+
+
+def _experts_replicated(style: ExpertsReplicated, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+    """Under sequence parallelism: whole sequences in (gathered from the tp ranks' shards), this
+    rank's shard out, cut at the input of the module's last step (its dropout, which then draws
+    per-rank masks); gradients partial over tp; auxiliary losses weighted 1/tp per rank."""
+    if ctx.sequence_parallel:
+        mesh, axis, dim = ctx.mesh, ctx.axis, ctx.seq_dim
+        for p in m.parameters():
+            set_grad_partial(p, axis)
+        run_on_parallel_stream(m.dropout, ctx.rng)
+        m.loss_share = 1.0 / mesh.size(axis)
+
+        def gather(module, args):
+            return (gather_from_sequence(args[0], mesh, axis, dim), *args[1:])
+
+        def cut(module, args):
+            n = args[0].shape[dim] // mesh.size(axis)
+            return (args[0].narrow(dim, mesh.rank(axis) * n, n), *args[1:])
+
+        m.register_forward_pre_hook(gather)
+        m.dropout.register_forward_pre_hook(cut)
+    return m
+
+
+APPLY = {
+    Colwise: _colwise,
+    Rowwise: _rowwise,
+    VocabEmbedding: _vocab_embedding,
+    VocabHead: _vocab_head,
+    ParallelRandom: _parallel_random,
+    SequenceSharded: _sequence_sharded,
+    PositionSharded: _position_sharded,
+    ExpertsReplicated: _experts_replicated,
+}
+"""How each style of `plait.tp_plan` is applied: ``fn(style, name, module, ctx) -> module``. A
+style of another type applies itself: ``style.apply(name, module, ctx)``."""
 
 
 def _expect(name: str, m: nn.Module, kind: type, style) -> None:
@@ -271,7 +296,8 @@ def apply_tp(
             raise ConfigError(f"plan pattern {pattern!r} matches no module of {type(model).__name__}")
         for name in matched:
             old = model.get_submodule(name)
-            new = style.apply(name, old, ctx)
+            fn = APPLY.get(type(style))
+            new = fn(style, name, old, ctx) if fn is not None else style.apply(name, old, ctx)
             if new is not old:
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, new)

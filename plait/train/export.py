@@ -26,14 +26,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
 import tomllib
 import warnings
 from pathlib import Path
 
+import safetensors.torch
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from plait.errors import CheckpointError, ConfigError, ExportError
+from plait.models import GPT, GPTConfig
+from plait.models.hf import HFCausalLM, hf_model_class
+from plait.models.hf_weights import save_hf
+from plait.models.python_source import PythonModel, build_python_model, model_args
+from plait.state import saved_shape
 from plait.train.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
+from plait.train.config import Config, model_config, set_key
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 META_CONFIG = "plait.model_config"
@@ -46,15 +59,11 @@ def run_model_config(run_dir: str | Path):
 
     Only those keys are read: the rest of the run's config (its corpus file, offload path,
     devices) need not exist where the export runs."""
-    from plait.train.config import model_config
-
     return model_config(_run_model_keys(run_dir))
 
 
 def _run_model_keys(run_dir: str | Path):
     """A default Config with the run's [model] keys and tokenizer keys set."""
-    from plait.train.config import Config, set_key
-
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
         raise ConfigError(f"{run_dir} has no config.toml: is it a plait run directory?")
@@ -75,8 +84,6 @@ def _run_model_keys(run_dir: str | Path):
 def _set_tokenizer(cfg, data: dict, run_dir: Path) -> None:
     """The run's tokenizer keys, which an unset model.vocab_size follows: a tokenizer file is the
     copy in the run directory (the path the run named need not exist where the export runs)."""
-    from plait.train.config import set_key
-
     if not isinstance(data, dict):
         return
     for key in ("tokenizer", "vocab_size"):
@@ -88,8 +95,6 @@ def _set_tokenizer(cfg, data: dict, run_dir: Path) -> None:
 
 def _copy_tokenizer(run_dir: Path, out_dir: Path) -> None:
     """The run's tokenizer.json (a BPE or a tokenizer file the run used) beside the export."""
-    import shutil
-
     if (run_dir / "tokenizer.json").is_file():
         shutil.copyfile(run_dir / "tokenizer.json", out_dir / "tokenizer.json")
 
@@ -142,12 +147,6 @@ def read_model_state(ckpt: str | Path, model: torch.nn.Module) -> dict[str, torc
     checkpoint `ckpt`, read in this process without a process group: {state-dict key: tensor in
     the parameter's shape, in the dtype it was saved in}. Every name of a tie gets the same tensor.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from plait.state import saved_shape
-
     ckpt = Path(ckpt)
     try:
         metadata = dcp.FileSystemReader(str(ckpt)).read_metadata()
@@ -202,8 +201,6 @@ def read_model_state(ckpt: str | Path, model: torch.nn.Module) -> dict[str, torc
 
 def _check_out(out: Path) -> None:
     """`out` can be created: not a directory, its folder exists (made here) and takes files."""
-    import tempfile
-
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file name such as {out / 'model.safetensors'}")
     if out.parent.exists() and not out.parent.is_dir():
@@ -222,8 +219,6 @@ def export(
     """Write the model of the run's checkpoint (`step`, default the latest) as one safetensors
     file at `out` (default RUN_DIR/model.safetensors), in `dtype` ("fp32" or "bf16"); returns
     the path written. See the module docstring for the format."""
-
-    from plait.models import GPT, GPTConfig
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -270,8 +265,6 @@ def _write_file(tensors, out: Path, metadata: dict, run_dir: Path, ckpt: Path, m
     """`tensors` as the safetensors file `out`, with `metadata` and the step, checkpoint, dtype and
     run config in its header: written under a temporary name, synced and renamed (a failed export
     leaves nothing); the run's tokenizer.json, if any, beside it."""
-    from safetensors.torch import save_file
-
     metadata = {
         "format": "pt",
         **metadata,
@@ -282,7 +275,7 @@ def _write_file(tensors, out: Path, metadata: dict, run_dir: Path, ckpt: Path, m
     }
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
+        safetensors.torch.save_file(tensors, str(tmp), metadata=metadata)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, out)
@@ -303,8 +296,6 @@ def export_python(run_dir: Path, source: str, ckpt: Path, out: Path | None, dtyp
     (`module.load_state_dict(safetensors.torch.load_file(out))` loads it): the factory is imported
     (from the current directory or PYTHONPATH, as in training) to learn names and shapes on the meta
     device; a tokenizer.json of the run is copied beside the file."""
-    from plait.models.python_source import PythonModel, build_python_model, model_args
-
     out = out if out is not None else run_dir / "model.safetensors"
     _check_out(out)
     manifest = verify_checkpoint(ckpt)
@@ -322,11 +313,6 @@ def export_hf(run_dir: Path, mcfg, ckpt: Path, out: Path, dtype: str) -> Path:
     ``transformers.AutoModelForCausalLM.from_pretrained(out)`` and ``model.weights = out`` load.
     Written beside `out` under a temporary name and renamed; an existing `out` must be empty or an
     earlier export (it is replaced)."""
-    import shutil
-
-    from plait.models.hf import HFCausalLM, hf_model_class
-    from plait.models.hf_weights import save_hf
-
     if out.exists() and (not out.is_dir() or any(p.name not in _HF_FILES for p in out.iterdir())):
         raise ConfigError(
             f"--out {out} exists and is not an earlier export (a directory of {', '.join(_HF_FILES)}); "
@@ -355,8 +341,6 @@ _HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "toke
 
 def exported_metadata(path: str | Path) -> dict[str, str]:
     """The header metadata of a file written by `export` (model config, ties, step, ...)."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path} not found")
@@ -378,13 +362,9 @@ def exported_metadata(path: str | Path) -> dict[str, str]:
 def load_exported(path: str | Path, device: str | torch.device = "cpu"):
     """(model, GPTConfig) from a file written by `export`: the GPT rebuilt from the config in the
     header, its parameters loaded with strict=True, in the file's dtype, in eval mode."""
-    from safetensors.torch import load_file
-
-    from plait.models import GPT, GPTConfig
-
     metadata = exported_metadata(path)
     try:
-        state = load_file(str(path), device=str(device))
+        state = safetensors.torch.load_file(str(path), device=str(device))
     except Exception as exc:
         raise ExportError(f"{path} is not a readable safetensors file ({exc})") from None
     cfg = GPTConfig(**json.loads(metadata[META_CONFIG]))

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from plait.train.tensorboard import TensorBoardWriter
+
 
 class MetricsWriter:
     """Appends one JSON object per line to `metrics.jsonl` (rank 0) or `metrics-rank<r>.jsonl`;
@@ -20,8 +22,6 @@ class MetricsWriter:
         self._fh = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard and rank == 0:
-            from plait.train.tensorboard import TensorBoardWriter
-
             self._tb = TensorBoardWriter(Path(run_dir) / "tensorboard", purge_step=purge_step)
 
     def write(self, **record) -> None:
@@ -55,6 +55,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def plot_loss_curve(records: list[dict], out: Path, title: str = "", baseline: float | None = None) -> Path:
     """Training loss per step, held-out loss where evaluated, and an optional baseline, to a PNG."""
+    # Here, not at the top: the Agg backend must be chosen before pyplot loads, and only plots
+    # pay matplotlib's import.
     import matplotlib
 
     matplotlib.use("Agg")

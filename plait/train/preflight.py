@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from plait.errors import ConfigError
 from plait.train.config import Config, model_config, pipeline_shape
 from plait.zero.estimate import GB, activation_bytes, model_state_bytes_formula
@@ -173,8 +175,6 @@ def _cuda_free(ranks: int) -> list[int] | None:
     context on every GPU for the whole run."""
     try:
         if ranks == 1:
-            import torch
-
             return [torch.cuda.mem_get_info(0)[0]]
         code = (
             f"import json, torch; print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range({ranks})]))"

@@ -32,7 +32,7 @@ class TensorBoardWriter:
     TensorBoard to drop the events an interrupted run wrote from that step on."""
 
     def __init__(self, log_dir: Path, purge_step: int | None = None):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # needs the optional tensorboard package
 
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 

@@ -24,12 +24,9 @@ Transformer Models" (arXiv:2205.05198), §4.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from plait.errors import ConfigError
-
-if TYPE_CHECKING:
-    from plait.models.gpt import GPTConfig
 
 GB = 1e9
 """Bytes in a gigabyte, as the ZeRO paper counts them."""
@@ -47,6 +44,18 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "lamb", "lars")
 # (You et al. 2017) keep one momentum buffer.
 _STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "sgd": 4, "lars": 4}
 _MASTER_BYTES = 4  # the fp32 copy of the weights that mixed precision updates
+
+
+class ModelShape(Protocol):
+    """What the estimator reads of a model, given by the caller (`plait.models.GPTConfig` is one):
+    its exact parameter count and its transformer layers' sizes."""
+
+    seq_len: int
+    d_model: int
+    n_head: int
+    n_layer: int
+
+    def n_params(self) -> int: ...
 
 
 def _valid(values) -> str:
@@ -155,7 +164,7 @@ def model_state_bytes_formula(
 
 
 def activation_bytes(
-    cfg: GPTConfig,
+    cfg: ModelShape,
     batch: int,
     seq: int | None = None,
     *,
@@ -209,15 +218,9 @@ def activation_bytes(
     return round(scale * L * per_layer)
 
 
-def _model_config(model: str) -> GPTConfig:
-    from plait.models.gpt import gpt_config
-
-    return gpt_config(model)
-
-
 def estimate_memory(
     params: int | None = None,
-    model: str | None = None,
+    model: ModelShape | None = None,
     dp: int = 1,
     zero_stage: int = 0,
     optimizer: str = "adam",
@@ -226,21 +229,22 @@ def estimate_memory(
     batch: int | None = None,
     seq: int | None = None,
     recompute: bool = False,
+    name: str | None = None,
 ) -> dict:
-    """Per-device memory estimate for ``params`` parameters or the named plait GPT ``model``.
+    """Per-device memory estimate for ``params`` parameters or a ``model``.
 
-    Give exactly one of ``params`` and ``model`` (a name of :func:`plait.models.gpt_config`, whose
-    exact parameter count is used). ``optimizer`` and ``precision`` pick the bytes per parameter
-    (:func:`dtype_preset`); ``shard`` is the hybrid-sharding group size (default ``dp``). With
-    ``batch`` (micro-batch size) and a model, the activations of :func:`activation_bytes` are
-    added; ``seq`` defaults to the model's ``seq_len``. Returns a JSON-able dict; sizes ending in
-    ``_gb`` are in units of 1e9 bytes, as in the ZeRO paper.
+    Give exactly one of ``params`` and ``model`` (its config, e.g. ``plait.models.gpt_config("gpt2")``,
+    whose exact parameter count is used; `name` labels it in the result). ``optimizer`` and
+    ``precision`` pick the bytes per parameter (:func:`dtype_preset`); ``shard`` is the
+    hybrid-sharding group size (default ``dp``). With ``batch`` (micro-batch size) and a model,
+    the activations of :func:`activation_bytes` are added; ``seq`` defaults to the model's
+    ``seq_len``. Returns a JSON-able dict; sizes ending in ``_gb`` are in units of 1e9 bytes, as
+    in the ZeRO paper.
     """
     if (params is None) == (model is None):
-        raise ConfigError("give exactly one of params (a parameter count) and model (a config name)")
-    cfg = None
-    if model is not None:
-        cfg = _model_config(model)
+        raise ConfigError("give exactly one of params (a parameter count) and model (a model's config)")
+    cfg = model
+    if cfg is not None:
         params = cfg.n_params()
     params = _positive_int("params", params)
     param_bytes, grad_bytes, k = dtype_preset(precision, optimizer)
@@ -250,7 +254,7 @@ def estimate_memory(
     )
     out = {
         "params": params,
-        "model": model,
+        "model": name,
         "dp": dp,
         "zero_stage": zero_stage,
         "stage_name": STAGE_NAMES[zero_stage],
@@ -268,7 +272,7 @@ def estimate_memory(
             raise ConfigError("seq and recompute describe activations: give batch as well")
         return out
     if cfg is None:
-        raise ConfigError("activations need the model's shape: give model (a config name) instead of params")
+        raise ConfigError("activations need the model's shape: give model (its config) instead of params")
     seq = cfg.seq_len if seq is None else seq
     act = activation_bytes(cfg, batch, seq, precision=precision, recompute=recompute)
     out.update(

@@ -23,10 +23,12 @@ from pathlib import Path
 import torch
 
 from plait import comm
+from plait.engine import global_grad_norm
 from plait.errors import ConfigError
 from plait.flat import FlatLayout, storage_bytes
 from plait.mesh import Mesh
 from plait.placement import REPLICATED, gather_full, norm_parts, placement
+from plait.zero.offload_disk import DiskStateOptimizer
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 OFFLOADS = ("none", "cpu", "disk")
@@ -142,8 +144,6 @@ class ShardedOptimizer:
             bind(groups, shard_axis)
         self._stepper = self.optimizer
         if offload == "disk":
-            from plait.zero.offload_disk import DiskStateOptimizer
-
             if offload_path is None:
                 raise ConfigError("offload = 'disk' needs an offload path ([offload] path)")
             self._stepper = DiskStateOptimizer(self.optimizer, offload_path, rank=mesh.global_rank)
@@ -164,8 +164,6 @@ class ShardedOptimizer:
     def grad_norm(self) -> float:
         """The global 2-norm of the reduced gradient: every shard of every group, each segment
         also summed over the model axes its parameter is split on (its placement)."""
-        from plait.engine import global_grad_norm
-
         if (local := self._local_grads()) is not None:  # this rank's own: nothing to sum
             return global_grad_norm(self.mesh, [(local, ())])
         by_axis: dict[str, tuple[list, list]] = {}  # shard axis -> (pairs, every placement)
