@@ -15,6 +15,7 @@ Config validation, the planner's enumeration, `plait.parallelize` and run-time g
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from plait.combinations import COMBINATIONS, Rule
@@ -189,7 +190,7 @@ class Job:
 
 def features(layout: Layout, job: Job = Job()) -> frozenset[str]:
     """The names of `plait.combinations.FEATURES` that `layout` and `job` turn on."""
-    on = {axis for axis in AXES if layout.sizes[axis] > 1}
+    on = {axis for axis in AXES if getattr(layout, axis) > 1}
     flags = {
         "sp": layout.sequence_parallel,
         "zero": layout.zero_stage >= 1,
@@ -222,7 +223,12 @@ def features(layout: Layout, job: Job = Job()) -> frozenset[str]:
 
 def refusal(layout: Layout, job: Job = Job()) -> Rule | None:
     """The first refused row of the table that applies to `layout` with `job`, or None."""
-    on = features(layout, job)
+    return _first_refused(features(layout, job))
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_refused(on: frozenset[str]) -> Rule | None:
+    # cached: the planner asks for thousands of layouts, which share a few hundred feature sets
     return next((r for r in COMBINATIONS if not r.supported and r.applies(on)), None)
 
 
