@@ -9,6 +9,7 @@ import pytest
 from plait.combinations import COMBINATIONS, FEATURES, REFUSED, SUPPORTED, describe_table, with_table
 from plait.errors import ConfigError
 from plait.layout import Job, Layout, check, features, message_values, refusal
+from plait.models import gpt_config
 from plait.planner.cluster import Cluster, Link
 from plait.planner.search import as_layout, enumerate_layouts
 from plait.train.config import Config, pipeline_shape, read_config, validate
@@ -123,8 +124,6 @@ def test_from_config_and_features():
 
 
 def test_planner_enumeration_reads_the_table():
-    from plait.models import gpt_config
-
     cpu = Cluster("t", gpus_per_node=8, peak_tflops=1.0, memory_gb=1.0, intra=Link(1e-6, 1e9),
                   inter=Link(1e-6, 1e9), cores=0)  # fmt: skip
     model = gpt_config("tiny")

@@ -214,42 +214,13 @@ def plan(
             lb["reason"] = lb["reason"].replace("needs", "needs at least", 1)
             rejected.append(lb)
     bounds.sort(key=lambda x: x[0])
-    # Branch and bound on the lower bounds; plait's own validation (which builds and checks each
-    # pipeline schedule, seconds for a long one) runs on the final top K only. A plan it refuses is
-    # rejected with plait's message and the search runs again without it (rare: the enumeration
-    # follows the same rules).
-    priced: dict[Layout, dict] = {}
-    refused: set[Layout] = set()
-    while True:
-        best: list[dict] = []
-        for lb_step, lay in bounds:
-            if len(best) >= top and _sig4(lb_step) > _sig4(best[-1]["step_s"]):
-                break
-            if lay in refused:
-                continue
-            if lay not in priced:
-                priced[lay] = evaluate(
-                    cfg, global_batch, lay, cluster, optimizer=optimizer, precision=precision
-                )
-                if not priced[lay]["feasible"]:
-                    rejected.append(priced[lay])
-            result = priced[lay]
-            if result["feasible"] and (len(best) < top or _rank_key(result) < _rank_key(best[-1])):
-                best.append(result)
-                best.sort(key=_rank_key)
-                del best[top:]
-        fresh = False
-        for r in best:
-            lay = next(k for k, v in priced.items() if v is r)
-            reason = check_runnable(base, lay, bf16) if base is not None else ""
-            if reason:
-                r["feasible"], r["reason"] = False, reason
-                refused.add(lay)
-                rejected.append(r)
-                fresh = True
-        if not fresh:
-            break
-    evaluated = len(priced)
+    best, evaluated = _branch_and_bound(
+        bounds,
+        lambda lay: evaluate(cfg, global_batch, lay, cluster, optimizer=optimizer, precision=precision),
+        lambda lay: check_runnable(base, lay, bf16) if base is not None else "",
+        top,
+        rejected,
+    )
     for r in best:  # Alpa's inter-operator DP on the listed pipelines (plait train runs the uniform cut)
         if r["pp"] > 1:
             n = r["pp"] * r["virtual_stages"]
@@ -266,6 +237,45 @@ def plan(
         "rejected": len(rejected),
         "pruning": PRUNING,
     }
+
+
+def _branch_and_bound(bounds, price, runnable, top: int, rejected: list) -> tuple[list[dict], int]:
+    """The `top` fastest feasible runnable plans of `bounds` ((lower bound, layout), fastest first)
+    and how many layouts were priced; infeasible and refused ones are added to `rejected`.
+
+    Branch and bound on the lower bounds; plait's own validation (`runnable`, which builds and
+    checks each pipeline schedule, seconds for a long one) runs on the final top K only. A plan it
+    refuses is rejected with plait's message and the search runs again without it (rare: the
+    enumeration follows the same rules)."""
+    priced: dict[Layout, dict] = {}
+    refused: set[Layout] = set()
+    while True:
+        best: list[dict] = []
+        for lb_step, lay in bounds:
+            if len(best) >= top and _sig4(lb_step) > _sig4(best[-1]["step_s"]):
+                break
+            if lay in refused:
+                continue
+            if lay not in priced:
+                priced[lay] = price(lay)
+                if not priced[lay]["feasible"]:
+                    rejected.append(priced[lay])
+            result = priced[lay]
+            if result["feasible"] and (len(best) < top or _rank_key(result) < _rank_key(best[-1])):
+                best.append(result)
+                best.sort(key=_rank_key)
+                del best[top:]
+        fresh = False
+        for r in best:
+            lay = next(k for k, v in priced.items() if v is r)
+            reason = runnable(lay)
+            if reason:
+                r["feasible"], r["reason"] = False, reason
+                refused.add(lay)
+                rejected.append(r)
+                fresh = True
+        if not fresh:
+            return best, len(priced)
 
 
 def _rank_key(r: dict):
