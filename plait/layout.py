@@ -23,10 +23,12 @@ from plait.errors import ConfigError
 from plait.mesh import AXES
 from plait.models.source import source_kind
 from plait.pipeline.schedules import default_virtual_stages
+from plait.zero import MIXED_PRECISION, STAGES
+from plait.zero.sharded import OFFLOADS
 
-ZERO_STAGES = (0, 1, 2, 3)
-OFFLOADS = ("none", "cpu", "disk")
-PRECISIONS = ("fp32", "bf16")
+ZERO_STAGES = STAGES
+PRECISIONS = tuple(MIXED_PRECISION)
+__all__ = ["OFFLOADS", "PRECISIONS", "ZERO_STAGES", "Job", "Layout", "check", "features", "refusal"]
 EF_COMPRESSORS = ("onebit", "topk", "powersgd")  # the compressors 1-bit Adam can compress the momentum with
 
 
