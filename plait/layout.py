@@ -6,23 +6,30 @@ needs to turn a model part into an engine, and everything the planner enumerates
 derived from the degrees is derived here (the axes the batch is split over, the axis ZeRO shards
 over, a pipeline's micro-batches), never stored twice.
 
-The table of which features combine lives here too, as data (`COMBINATIONS`): config validation,
-the planner's enumeration, `plait.parallelize` and run-time guards all read it, and
-docs/compose.md's matrix is generated from it.
+Which features combine is a table, as data (`plait.combinations.COMBINATIONS`); `check` reads it
+for a layout and the job around it (`Job`: the optimizer, the model, the parameter server, ...).
+Config validation, the planner's enumeration, `plait.parallelize` and run-time guards all call
+`check` (or `refusal`), and docs/compose.md's matrix is generated from the same table.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
+from plait.combinations import COMBINATIONS, Rule
 from plait.errors import ConfigError
 from plait.mesh import AXES
+from plait.models.source import source_kind
+from plait.pipeline.schedules import default_virtual_stages
+from plait.zero import MIXED_PRECISION, STAGES
+from plait.zero.sharded import OFFLOADS
 
-ZERO_STAGES = (0, 1, 2, 3)
-OFFLOADS = ("none", "cpu", "disk")
-PRECISIONS = ("fp32", "bf16")
-SCHEDULE_VIRTUAL = {"interleaved": 2, "zb-v": 2}  # stages per rank a schedule uses by default
+ZERO_STAGES = STAGES
+PRECISIONS = tuple(MIXED_PRECISION)
+__all__ = ["OFFLOADS", "PRECISIONS", "ZERO_STAGES", "Job", "Layout", "check", "features", "refusal"]
+EF_COMPRESSORS = ("onebit", "topk", "powersgd")  # the compressors 1-bit Adam can compress the momentum with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +95,7 @@ class Layout:
 
     @property
     def stages_per_rank(self) -> int:
-        return self.virtual_stages or SCHEDULE_VIRTUAL.get(self.schedule, 1)
+        return self.virtual_stages or default_virtual_stages(self.schedule)
 
     @property
     def n_stages(self) -> int:
@@ -149,3 +156,93 @@ class Layout:
             comm_target=c.target,
             bucket_mb=p.bucket_mb,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What a job adds to its layout that the combination rules read: the optimizer, the model,
+    the data and the runtime around the engines (none of them a field of `Layout`)."""
+
+    optimizer: str = "adamw"
+    experts: int = 0  # experts per MoE layer; 0: a dense model
+    dropout: float = 0.0
+    micro_batches: int = 1  # gradient accumulation per step (pipelines split the batch themselves)
+    tokenizer: str = "bytes"
+    source: str = "plait"  # model.source
+    servers: int = 0  # parameter servers (plait.async_training); 0: none
+    plan: str = "manual"
+    api: bool = False  # plait.parallelize, the custom-loop API
+
+    @classmethod
+    def from_config(cls, cfg, api: bool = False) -> Job:
+        """The job of a parsed plait configuration (`plait.train.config.Config`)."""
+        m = cfg.model
+        return cls(
+            optimizer=cfg.optim.name,
+            experts=m.experts,
+            dropout=m.dropout,
+            micro_batches=cfg.train.micro_batches,
+            tokenizer=cfg.data.tokenizer,
+            source=m.source,
+            servers=cfg.ps.servers,
+            plan=cfg.parallel.plan,
+            api=api,
+        )
+
+
+def features(layout: Layout, job: Job = Job()) -> frozenset[str]:
+    """The names of `plait.combinations.FEATURES` that `layout` and `job` turn on."""
+    on = {axis for axis in AXES if getattr(layout, axis) > 1}
+    flags = {
+        "sp": layout.sequence_parallel,
+        "zero": layout.zero_stage >= 1,
+        "zero3": layout.zero_stage == 3,
+        "hybrid": layout.hybrid,
+        "offload": layout.offload != "none",
+        "offload-disk": layout.offload == "disk",
+        "delayed": layout.delayed_update,
+        "compression": layout.compression != "none",
+        "ef-compressor": layout.compression in EF_COMPRESSORS,
+        "1-bit-adam": layout.comm_target == "momentum",
+        "bf16": layout.mixed_precision == "bf16",
+        "recompute": layout.activation_checkpointing,
+        "grad-accum": job.micro_batches > 1,
+        "adamw": job.optimizer == "adamw",
+        "lamb/lars": job.optimizer in ("lamb", "lars"),
+        "moe": job.experts > 0,
+        "dropout": job.dropout > 0,
+        "tokenizer": job.tokenizer != "bytes",
+        "ps": job.servers > 0,
+        "auto": job.plan == "auto",
+        "api": job.api,
+    }
+    on |= {name for name, value in flags.items() if value}
+    kind = source_kind(job.source)
+    if kind != "plait":
+        on.add(kind)
+    return frozenset(on)
+
+
+def refusal(layout: Layout, job: Job = Job()) -> Rule | None:
+    """The first refused row of the table that applies to `layout` with `job`, or None."""
+    return _first_refused(features(layout, job))
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_refused(on: frozenset[str]) -> Rule | None:
+    # cached: the planner asks for thousands of layouts, which share a few hundred feature sets
+    return next((r for r in COMBINATIONS if not r.supported and r.applies(on)), None)
+
+
+def check(layout: Layout, job: Job = Job()) -> None:
+    """Raise the ConfigError of the first refused combination of `layout` with `job` (its message
+    names the keys, says why and what to change); return when the table refuses none."""
+    rule = refusal(layout, job)
+    if rule is not None:
+        raise ConfigError(rule.message(message_values(layout, job)))
+
+
+def message_values(layout: Layout, job: Job) -> dict:
+    """The values the table's message templates name (the fields of both, and the config's
+    name for the hybrid shard)."""
+    return dataclasses.asdict(layout) | dataclasses.asdict(job) | {"hybrid_shard": layout.dp_shard}

@@ -463,16 +463,20 @@ def test_plan_auto_resolves_to_a_layout_that_validate_accepts(this_cache):
 
 def test_plan_auto_refuses_an_impossible_world_and_bad_keys():
     from plait.errors import ConfigError
+    from plait.planner.auto import check_auto
     from plait.train.config import load_config
 
+    # validate checks an auto config's keys; its layouts are the planner's (resolve_auto checks them)
     with pytest.raises(ConfigError, match=r"parallel.world = 3: no layout .* with a layout: 1, 2, 4, 8"):
-        load_config(None, [("parallel.plan", "auto"), ("parallel.world", "3")])
+        check_auto(load_config(None, [("parallel.plan", "auto"), ("parallel.world", "3")]))
     with pytest.raises(ConfigError, match="parallel.plan = 'magic' is not valid; valid: manual, auto"):
         load_config(None, [("parallel.plan", "magic")])
     with pytest.raises(ConfigError, match="parallel.world = 4 but parallel.pp x dp x ep x tp = 2"):
         load_config(None, [("parallel.world", "4")])
     with pytest.raises(ConfigError, match="parallel.tp = 8"):  # a constraint no layout can keep
-        load_config(None, [("parallel.plan", "auto"), ("parallel.world", "8"), ("parallel.tp", "8")])
+        check_auto(
+            load_config(None, [("parallel.plan", "auto"), ("parallel.world", "8"), ("parallel.tp", "8")])
+        )
 
 
 def test_plait_train_with_plan_auto_runs_the_chosen_layout(this_cache, tmp_path, capsys):

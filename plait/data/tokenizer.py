@@ -13,6 +13,7 @@ byte tokenizer T = B and it is L / ln 2.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -28,6 +29,8 @@ from plait.errors import ConfigError
 
 CHUNK_CHARS = 1 << 20
 """Text is encoded in pieces of about this many characters (for the progress bar and memory)."""
+MAX_BPE_VOCAB = 2**20
+"""data.vocab_size: the largest byte-level BPE vocabulary a run may train."""
 
 
 class ByteTokenizer:
@@ -167,3 +170,25 @@ def target_bytes(batches, token_bytes: np.ndarray) -> tuple[int, int]:
         tokens += y.numel()
         nbytes += int(sizes[y.reshape(-1)].sum())
     return tokens, nbytes
+
+
+def tokenizer_vocab_size(d) -> int:
+    """Token ids of the tokenizer a run's [data] section (`d`) configures: 256 bytes,
+    data.vocab_size for a BPE to train (it may learn fewer), or the size of the tokenizer.json at
+    data.tokenizer."""
+    if d.tokenizer == "bytes":
+        return 256
+    if d.tokenizer == "bpe":
+        return d.vocab_size
+    path = Path(d.tokenizer).expanduser()
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        stamp = None
+    return _tokenizer_file_size(str(path), stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer_file_size(path: str, stamp) -> int:
+    # keyed by the file's mtime too: validation asks often, and a rewritten file is read again
+    return load_tokenizer_file(path).vocab_size  # missing or malformed: a ConfigError naming the key

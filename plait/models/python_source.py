@@ -41,6 +41,8 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.models.gpt import GPT
+from plait.models.resolve import model_config
+from plait.pipeline.stage import split_sequential
 
 PREFIX = "python:"
 _SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -65,8 +67,6 @@ class ModelArgs:
 
 def model_args(cfg) -> ModelArgs:
     """The ModelArgs of a plait Config (its [model] keys over the named size)."""
-    from plait.train.config import model_config
-
     m = model_config(cfg)
     return ModelArgs(
         vocab_size=m.vocab_size,
@@ -266,8 +266,6 @@ class PythonModel(nn.Module):
         stage returns the summed token loss."""
         if self._split is not None:
             return self._split(self.net, n_stages, split)
-        from plait.pipeline.stage import split_sequential
-
         return split_sequential(self.net, n_stages, _sum_cross_entropy, split)
 
     generate = GPT.generate  # plait's sampling loop: it only calls forward and reads cfg.seq_len
@@ -279,11 +277,13 @@ def train_flops_per_token(model: nn.Module) -> float:
     return 6.0 * sum(p.numel() for p in model.parameters())
 
 
-def check_source(cfg) -> None:
+def check_source(cfg, n_stages: int) -> None:
     """`model.source = "python:..."` before any process starts: the spec, the import, the call
     (on the meta device, so no memory is spent; on the CPU if the factory needs real tensors),
-    the module's output on (1, seq_len) ids, a plan for tp > 1, a split for pp > 1, and the
-    plait-GPT-only features it cannot take. Each problem is one ConfigError naming the key."""
+    the module's output on (1, seq_len) ids, a plan for tp > 1 and a split into `n_stages`
+    pipeline stages for pp > 1. Each problem is one ConfigError naming the key. (The features of
+    plait's GPT a factory's model cannot take are rules of the combination table:
+    `plait.models.source.SOURCE_LIMITS`, read by plait.layout.)"""
     spec, p = cfg.model.source, cfg.parallel
     args = model_args(cfg)
     try:
@@ -293,17 +293,6 @@ def check_source(cfg) -> None:
         raise
     except Exception:  # something in it needs real tensors: build it for real once
         model = build_python_model(spec, args)
-    others = {
-        "model.experts": (cfg.model.experts, 0),
-        "parallel.ep": (p.ep, 1),
-        "ps.servers": (cfg.ps.servers, 0),
-    }
-    for key, (value, default) in others.items():
-        if value != default:
-            raise ConfigError(
-                f"{KEY} = {spec!r} with {key} = {value!r} is not available: it is a feature of plait's "
-                f"own GPT; set {key} = {default!r}, or {KEY} = 'plait'"
-            )
     if p.tp > 1:
         if isinstance(model, PythonModel):
             has_plan = model._plan is not None
@@ -321,16 +310,12 @@ def check_source(cfg) -> None:
             "(model, {'pipeline_split': split(module, n_stages, split) -> stages}) from the factory, make "
             "the module an nn.Sequential, or set parallel.pp = 1"
         )
-    if p.pp > 1 and isinstance(model, PythonModel) and model._split is None:
-        from plait.train.config import pipeline_shape
-
-        stages = p.pp * pipeline_shape(cfg)[1]
-        if len(model.net) % stages:
-            raise ConfigError(
-                f"{KEY} = {spec!r} is an nn.Sequential of {len(model.net)} layers, not divisible into "
-                f"parallel.pp x virtual_stages = {stages} pipeline stages of equal size: use a pp x "
-                "virtual_stages that divides it, or return (model, {'pipeline_split': ...})"
-            )
+    if p.pp > 1 and isinstance(model, PythonModel) and model._split is None and len(model.net) % n_stages:
+        raise ConfigError(
+            f"{KEY} = {spec!r} is an nn.Sequential of {len(model.net)} layers, not divisible into "
+            f"parallel.pp x virtual_stages = {n_stages} pipeline stages of equal size: use a pp x "
+            "virtual_stages that divides it, or return (model, {'pipeline_split': ...})"
+        )
     if isinstance(model, PythonModel):
         _check_output(model, args, spec)
 

@@ -7,106 +7,102 @@
 * ``"python:PKG.MODULE:FUNC"``: a user's factory (`plait.models.python_source`).
 
 `validate_source` is called by `plait.train.config.validate`, in the launching process: it refuses
-an unknown source, a missing transformers, keys that do not apply to hf models, heads (and key/value
-heads) that do not divide tp, and a weights directory that is missing or does not fit the model.
+an unknown source, a missing transformers, keys that do not apply to the source, heads (and
+key/value heads) that do not divide tp, and a weights directory that is missing or does not fit
+the model. Which of plait's features a source cannot take is data, `SOURCE_LIMITS`: rules of the
+combination table that plait.layout checks with the others.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
+import torch
+
 from plait.errors import ConfigError
+from plait.models.gpt import GPT
+from plait.models.hf import build_hf, hf_model_class
+from plait.models.hf_weights import check_weights, weights_file
+from plait.models.python_source import build_python_model, model_args
+from plait.models.resolve import hf_model_config, model_config
 
 HF_SOURCES = ("hf:gpt2", "hf:llama")
 SOURCES = ("plait", *HF_SOURCES, "python:PKG.MODULE:FUNC")
+
+
+def source_kind(source: str) -> str:
+    """'plait', 'hf' or 'python': the kind of a model.source (the combination table's feature)."""
+    return source.partition(":")[0] if source.startswith(("hf:", "python:")) else "plait"
+
+
+# What each kind of source cannot take: (feature of the combination table, key, the value the
+# source takes). The table's rows for these are made from this record (plait.combinations).
+SOURCE_LIMITS = {
+    "hf": {
+        "what": "{key} = {value!r} does not apply to model.source = {source!r}",
+        "reason": "hf models are dense, trained without dropout, outside the parameter server",
+        "fix": "set {key} = {default!r}",
+        "limits": (
+            ("moe", "model.experts", 0),
+            ("dropout", "model.dropout", 0.0),
+            ("ep", "parallel.ep", 1),
+            ("ps", "ps.servers", 0),
+        ),
+    },
+    "python": {
+        "what": "model.source = {source!r} with {key} = {value!r} is not available",
+        "reason": "it is a feature of plait's own GPT, which a factory's model is not",
+        "fix": "set {key} = {default!r}, or model.source = 'plait'",
+        "limits": (("moe", "model.experts", 0), ("ep", "parallel.ep", 1), ("ps", "ps.servers", 0)),
+    },
+}
 
 
 def is_hf(cfg) -> bool:
     return cfg.model.source in HF_SOURCES
 
 
-def hf_model_config(cfg):
-    """The `HFConfig` of an hf source: the named size's dimensions with the overrides applied."""
-    from plait.models.gpt import gpt_config
-    from plait.models.hf import HFConfig
-
-    m = cfg.model
-    base = gpt_config(m.name)
-    sizes = {
-        k: getattr(m, k) if getattr(m, k) is not None else getattr(base, k)
-        for k in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size")
-    }
-    if m.vocab_size is None and cfg.data.tokenizer != "bytes":  # the vocabulary follows the tokenizer
-        from plait.train.config import tokenizer_vocab_size
-
-        sizes["vocab_size"] = tokenizer_vocab_size(cfg.data)
-    return HFConfig(
-        arch=m.source.removeprefix("hf:"),
-        d_ff=m.d_ff,
-        n_kv_head=m.n_kv_head,
-        tie_weights=m.tie_weights,
-        weights=m.weights,
-        **sizes,
-    )
-
-
 def build_model(cfg):
     """The run's model, initialised under the current torch seed (every rank builds the same)."""
     source = cfg.model.source
     if source == "plait":
-        from plait.models.gpt import GPT
-        from plait.train.config import model_config
-
         return GPT(model_config(cfg))
     if source in HF_SOURCES:
-        from plait.models.hf import build_hf
-
         return build_hf(hf_model_config(cfg))
     if source.startswith("python:"):
-        from plait.models.python_source import build_python_model, model_args
-
         return build_python_model(source, model_args(cfg))
     raise ConfigError(f"model.source = {source!r} is unknown; valid: {', '.join(SOURCES)}")
 
 
+def _refuse_hf_keys(m) -> None:
+    """n_kv_head and weights are hf keys: a plait or python: source refuses them."""
+    for key, value in (("n_kv_head", m.n_kv_head), ("weights", m.weights)):
+        if value in (None, ""):
+            continue
+        if m.source.startswith("python:"):
+            raise ConfigError(
+                f"model.{key} = {value!r} applies to hf sources only; a python: factory builds its "
+                f"own model: remove model.{key}"
+            )
+        raise ConfigError(
+            f"model.{key} = {value!r} applies to hf sources only; set model.source = 'hf:llama' "
+            f"{'or hf:gpt2 ' if key == 'weights' else ''}or remove model.{key}"
+        )
+
+
 def validate_source(cfg) -> None:
     """The checks of `[model] source` and the hf keys (module docstring); the rest of the model's
-    keys are `validate`'s."""
+    keys are `validate`'s, the python: factory's own `python_source.check_source`'s."""
     m, p = cfg.model, cfg.parallel
-    if m.source.startswith("python:"):
-        for key, value in (("n_kv_head", m.n_kv_head), ("weights", m.weights)):
-            if value not in (None, ""):
-                raise ConfigError(
-                    f"model.{key} = {value!r} applies to hf sources only; a python: factory builds its "
-                    f"own model: remove model.{key}"
-                )
-        return  # the factory itself: plait.models.python_source.check_source, last in validate
-    if m.source != "plait" and m.source not in HF_SOURCES:
+    if not m.source.startswith("python:") and m.source != "plait" and m.source not in HF_SOURCES:
         raise ConfigError(f"model.source = {m.source!r} is unknown; valid: {', '.join(SOURCES)}")
-    if m.source == "plait":
-        for key, value in (("n_kv_head", m.n_kv_head), ("weights", m.weights)):
-            if value not in (None, ""):
-                raise ConfigError(
-                    f"model.{key} = {value!r} applies to hf sources only; set model.source = 'hf:llama' "
-                    f"{'or hf:gpt2 ' if key == 'weights' else ''}or remove model.{key}"
-                )
+    if m.source not in HF_SOURCES:
+        _refuse_hf_keys(m)
         return
     if importlib.util.find_spec("transformers") is None:
         raise ConfigError(
             f"model.source = {m.source!r} needs the transformers package: pip install plait[hf]"
         )
-    refused = {  # key: (value, the value hf models take)
-        "model.experts": (m.experts, 0),
-        "model.dropout": (m.dropout, 0.0),
-        "parallel.ep": (p.ep, 1),
-        "ps.servers": (cfg.ps.servers, 0),
-    }
-    for key, (value, default) in refused.items():
-        if value != default:
-            raise ConfigError(
-                f"{key} = {value!r} does not apply to model.source = {m.source!r} (hf models are dense, "
-                f"trained without dropout, outside the parameter server); set {key} = {default!r}"
-            )
     c = hf_model_config(cfg)
     if c.arch == "gpt2" and m.n_kv_head not in (None, c.n_head):
         raise ConfigError(
@@ -133,19 +129,12 @@ def validate_source(cfg) -> None:
             "rank holds whole key/value heads; choose n_kv_head a multiple of tp"
         )
     if c.weights:
-        from plait.models.hf_weights import weights_file
-
         weights_file(c.weights)  # the directory and its file exist; shapes are checked below
         _check_weight_shapes(c)
 
 
 def _check_weight_shapes(c) -> None:
     """The weights file's names and shapes against the configured model, built on the meta device."""
-    import torch
-
-    from plait.models.hf import hf_model_class
-    from plait.models.hf_weights import check_weights
-
     with torch.device("meta"):
         hf = hf_model_class(c.arch)(c.to_hf_config())
     check_weights(hf, c.weights)

@@ -6,9 +6,10 @@ only considers layouts with those values (``--parallel.tp 2`` keeps tp = 2, ``--
 3`` keeps ZeRO-3); a key left at its default is the planner's to choose. (A key given on the command
 line with its default value is indistinguishable from one not given: it is the planner's.)
 
-`check_auto` runs inside `plait.train.config.validate`, before any process starts: the non-layout
-keys are checked on a one-process copy, and at least one layout of the model over the world, with
-the constraints, must pass plait's own validation, else a `ConfigError` says which worlds would do.
+`plait.train.config.validate` checks such a config's keys but not its layout, which is the
+planner's: `check_auto`, run by `resolve_auto` before any process starts, checks the non-layout
+keys on a one-process copy, and that at least one layout of the model over the world, with the
+constraints, passes plait's own validation, else a `ConfigError` says which worlds would do.
 `resolve_auto` then prices the layouts on the cluster `this` (this machine, calibrated and cached:
 `plait.planner.calibrate`), takes the fastest feasible one that validation accepts, and returns
 the config that trains it (``parallel.plan = "manual"``: the run directory's config.toml records
@@ -20,8 +21,12 @@ from __future__ import annotations
 import dataclasses
 
 from plait.errors import ConfigError
+from plait.models.resolve import model_config
+from plait.planner.calibrate import load_this
 from plait.planner.cluster import Cluster, Link
 from plait.planner.cost import Layout
+from plait.planner.search import check_runnable, enumerate_layouts, layout_config, plan
+from plait.train.config import Config, validate
 
 LAYOUT_KEYS = {  # config key: the Layout field it sets
     "parallel.dp": "dp",
@@ -58,8 +63,6 @@ def _get(cfg, dotted: str):
 
 def constraints(cfg) -> dict[str, object]:
     """The layout keys set to something other than their default: {config key: value}."""
-    from plait.train.config import Config
-
     default = Config()
     return {k: _get(cfg, k) for k in LAYOUT_KEYS if _get(cfg, k) != _get(default, k)}
 
@@ -87,15 +90,10 @@ def matches(layout: Layout, cons: dict[str, object]) -> bool:
 
 
 def _one_process(cfg):
-    from plait.planner.search import layout_config
-
     return layout_config(cfg, Layout(), bf16=cfg.train.bf16)
 
 
 def _candidates(cfg, world: int) -> list[Layout]:
-    from plait.planner.search import enumerate_layouts
-    from plait.train.config import model_config
-
     cons = constraints(cfg)
     model = model_config(cfg)
     every = enumerate_layouts(model, cfg.train.global_batch, world, _ENUMERATION, cfg.model.dropout)
@@ -103,10 +101,7 @@ def _candidates(cfg, world: int) -> list[Layout]:
 
 
 def check_auto(cfg, data: bool = True) -> None:
-    """`validate`'s part for ``parallel.plan = "auto"`` (module docstring): raises ConfigError."""
-    from plait.planner.search import check_runnable
-    from plait.train.config import validate
-
+    """The layout check of a ``parallel.plan = "auto"`` config (module docstring): raises ConfigError."""
     validate(_one_process(cfg), data=data)  # every key but the layout's
     world = auto_world(cfg)
     cons = constraints(cfg)
@@ -134,10 +129,7 @@ def check_auto(cfg, data: bool = True) -> None:
 def resolve_auto(cfg, cluster: Cluster | None = None, top: int = 20, out=None):
     """(the config that trains the best feasible layout, that plan's record) on `cluster`
     (default: `this`). Prints the chosen layout in one line to `out` (a file; None: silent)."""
-    from plait.planner.calibrate import load_this
-    from plait.planner.search import layout_config, plan
-    from plait.train.config import model_config, validate
-
+    check_auto(cfg)
     if cluster is None:
         cluster = load_this()
     world = auto_world(cfg)

@@ -7,9 +7,10 @@ intra-operator choices collapse to a handful of global ones that are enumerated 
 dp, ep, ZeRO stage, hybrid sharding, sequence parallelism, micro-batch size and count, the
 pipeline schedule (with interleaving and Zero Bubble), recomputation and CPU offload.
 
-The enumeration keeps what plait can run (`plait.train.config.validate`'s rules: heads, d_ff and
-layers divisible, the batch divisible over dp x ep and the micro-batches, the schedule's
-constraints, pp x m x v bounded), and prunes, saying so in `PRUNING`:
+The enumeration keeps what plait can run: what the combination table (`plait.layout.check`)
+accepts, with `plait.train.config.validate`'s fits (heads, d_ff and layers divisible, the batch
+divisible over dp x ep and the micro-batches, the schedule's constraints, pp x m x v bounded), and
+prunes, saying so in `PRUNING`:
 
 * tp: powers of two up to the GPUs of one node (Narayanan et al. 2021 §3.3: tp across nodes
   is slow; the cost model would rank it last anyway);
@@ -27,15 +28,18 @@ from __future__ import annotations
 import copy
 import math
 
+from plait import layout as plait_layout
 from plait.errors import ConfigError
 from plait.models.gpt import GPTConfig
+from plait.pipeline.schedules import default_virtual_stages
 from plait.planner.cluster import Cluster
 from plait.planner.cost import Layout, evaluate
 from plait.planner.stages import PLANNED_SCHEDULES, balanced_stages
+from plait.train.checks import MAX_PIPELINE_ACTIONS
+from plait.train.config import read_config, validate
 
 MAX_MICROBATCH = 16
 MAX_ZBV_PP = 16
-MAX_PIPELINE_ACTIONS = 2**15  # plait.train.config's bound on pp x microbatches x virtual_stages
 PRUNING = (
     "tp: powers of two <= GPUs per node; micro-batch size: powers of two <= 16; sequence parallel "
     "on whenever tp > 1; ZB-V only for pp <= 16, ZB-H2 never; branch and bound on a no-bubble lower bound"
@@ -55,6 +59,25 @@ def enumerate_layouts(
     cfg: GPTConfig, global_batch: int, devices: int, cluster: Cluster, dropout: float = 0.0
 ):
     """Every layout the search considers for `devices` devices (a generator of `Layout`)."""
+    job = plait_layout.Job(experts=cfg.experts, dropout=dropout)
+    for lay in _candidates(cfg, global_batch, devices, cluster):
+        if plait_layout.refusal(as_layout(lay), job) is None:
+            yield lay
+
+
+def as_layout(lay: Layout) -> plait_layout.Layout:
+    """The `plait.layout.Layout` a planned layout runs (what the combination table reads)."""
+    pp = lay.pp > 1
+    return plait_layout.Layout(
+        pp=lay.pp, dp=lay.dp, ep=lay.ep, tp=lay.tp, dp_shard=lay.hybrid_shard, zero_stage=lay.zero_stage,
+        sequence_parallel=lay.sequence_parallel, schedule=lay.schedule if pp else "1f1b",
+        microbatches=lay.microbatches if pp else 0, virtual_stages=lay.virtual_stages if pp else 0,
+        activation_checkpointing=lay.recompute, offload=lay.offload,
+    )  # fmt: skip
+
+
+def _candidates(cfg: GPTConfig, global_batch: int, devices: int, cluster: Cluster):
+    """The layouts of the search's space (module docstring), before the combination table."""
     L = cfg.n_layer
     offloads = ("none",) if cluster.cores else ("none", "cpu")  # on a CPU the host is the device
     for tp in _pow2_upto(min(cluster.gpus_per_node, devices)):
@@ -82,9 +105,7 @@ def enumerate_layouts(
                                 hybrids.append(node)
                             for hs in hybrids:
                                 for rc in (False, True):
-                                    if rc and tp > 1 and dropout > 0:
-                                        continue  # plait refuses tp + dropout + recomputation
-                                    for off in offloads if zero and pp == 1 else ("none",):
+                                    for off in offloads:
                                         yield Layout(
                                             dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero, hybrid_shard=hs,
                                             sequence_parallel=sp, microbatch_size=b, microbatches=m,
@@ -97,7 +118,7 @@ def _schedules(pp: int, m: int, L: int):
         yield "none", 1
         return
     for kind in PLANNED_SCHEDULES:
-        v = 2 if kind in ("interleaved", "zb-v") else 1
+        v = default_virtual_stages(kind)
         if pp * m * v > MAX_PIPELINE_ACTIONS or L % (pp * v):
             continue
         if kind == "interleaved" and m % pp:
@@ -139,34 +160,13 @@ def load_plan_config(path=None, overrides=()):
     """The run's `Config` (TOML <- overrides) for planning: validated by plait's rules with the
     parallel keys reset to one device (the planner chooses them) and without the check that this
     machine's corpus holds a global batch (the plan is for another machine)."""
-    from plait.train import config as C
-
-    cfg = C.Config()
-    if path is not None:
-        import tomllib
-        from pathlib import Path
-
-        try:
-            data = tomllib.loads(C._read_config_text(Path(path)))
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-        for section, values in data.items():
-            if not isinstance(values, dict):
-                raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
-            for key, value in values.items():
-                C.set_key(cfg, section, key, value, from_cli=False)
-    for dotted, value in overrides:
-        section, _, key = dotted.partition(".")
-        C.set_key(cfg, section, key, value, from_cli=True)
-    plain = Layout()
-    C.validate(layout_config(cfg, plain), data=False)
+    cfg = read_config(path, overrides)
+    validate(layout_config(cfg, Layout()), data=False)
     return cfg
 
 
 def check_runnable(base, layout: Layout, bf16: bool = True) -> str:
     """'' if plait's own config validation accepts `layout` on `base`, else its message."""
-    from plait.train.config import validate
-
     try:
         validate(layout_config(base, layout, bf16), data=False)
     except ConfigError as exc:
@@ -214,42 +214,13 @@ def plan(
             lb["reason"] = lb["reason"].replace("needs", "needs at least", 1)
             rejected.append(lb)
     bounds.sort(key=lambda x: x[0])
-    # Branch and bound on the lower bounds; plait's own validation (which builds and checks each
-    # pipeline schedule, seconds for a long one) runs on the final top K only. A plan it refuses is
-    # rejected with plait's message and the search runs again without it (rare: the enumeration
-    # follows the same rules).
-    priced: dict[Layout, dict] = {}
-    refused: set[Layout] = set()
-    while True:
-        best: list[dict] = []
-        for lb_step, lay in bounds:
-            if len(best) >= top and _sig4(lb_step) > _sig4(best[-1]["step_s"]):
-                break
-            if lay in refused:
-                continue
-            if lay not in priced:
-                priced[lay] = evaluate(
-                    cfg, global_batch, lay, cluster, optimizer=optimizer, precision=precision
-                )
-                if not priced[lay]["feasible"]:
-                    rejected.append(priced[lay])
-            result = priced[lay]
-            if result["feasible"] and (len(best) < top or _rank_key(result) < _rank_key(best[-1])):
-                best.append(result)
-                best.sort(key=_rank_key)
-                del best[top:]
-        fresh = False
-        for r in best:
-            lay = next(k for k, v in priced.items() if v is r)
-            reason = check_runnable(base, lay, bf16) if base is not None else ""
-            if reason:
-                r["feasible"], r["reason"] = False, reason
-                refused.add(lay)
-                rejected.append(r)
-                fresh = True
-        if not fresh:
-            break
-    evaluated = len(priced)
+    best, evaluated = _branch_and_bound(
+        bounds,
+        lambda lay: evaluate(cfg, global_batch, lay, cluster, optimizer=optimizer, precision=precision),
+        lambda lay: check_runnable(base, lay, bf16) if base is not None else "",
+        top,
+        rejected,
+    )
     for r in best:  # Alpa's inter-operator DP on the listed pipelines (plait train runs the uniform cut)
         if r["pp"] > 1:
             n = r["pp"] * r["virtual_stages"]
@@ -266,6 +237,45 @@ def plan(
         "rejected": len(rejected),
         "pruning": PRUNING,
     }
+
+
+def _branch_and_bound(bounds, price, runnable, top: int, rejected: list) -> tuple[list[dict], int]:
+    """The `top` fastest feasible runnable plans of `bounds` ((lower bound, layout), fastest first)
+    and how many layouts were priced; infeasible and refused ones are added to `rejected`.
+
+    Branch and bound on the lower bounds; plait's own validation (`runnable`, which builds and
+    checks each pipeline schedule, seconds for a long one) runs on the final top K only. A plan it
+    refuses is rejected with plait's message and the search runs again without it (rare: the
+    enumeration follows the same rules)."""
+    priced: dict[Layout, dict] = {}
+    refused: set[Layout] = set()
+    while True:
+        best: list[dict] = []
+        for lb_step, lay in bounds:
+            if len(best) >= top and _sig4(lb_step) > _sig4(best[-1]["step_s"]):
+                break
+            if lay in refused:
+                continue
+            if lay not in priced:
+                priced[lay] = price(lay)
+                if not priced[lay]["feasible"]:
+                    rejected.append(priced[lay])
+            result = priced[lay]
+            if result["feasible"] and (len(best) < top or _rank_key(result) < _rank_key(best[-1])):
+                best.append(result)
+                best.sort(key=_rank_key)
+                del best[top:]
+        fresh = False
+        for r in best:
+            lay = next(k for k, v in priced.items() if v is r)
+            reason = runnable(lay)
+            if reason:
+                r["feasible"], r["reason"] = False, reason
+                refused.add(lay)
+                rejected.append(r)
+                fresh = True
+        if not fresh:
+            return best, len(priced)
 
 
 def _rank_key(r: dict):

@@ -1,0 +1,395 @@
+"""Which features of a training job combine: the table, as data.
+
+Each row (`Rule`) names a set of features (`FEATURES`: the layout's, such as ``tp`` or ``zero3``,
+and the job's, such as ``moe`` or ``lamb/lars``) and says whether they work together. A refused
+row carries the reason, what to change, the config keys the message names and the test that
+proves the refusal; a supported row carries the test that proves the combination against one
+process. `plait.layout.check` raises the first refused row that applies to a job, so config
+validation, the planner's enumeration, `plait.parallelize` and run-time guards all read this one
+table; docs/compose.md's matrix is `table_markdown()`, and `plait layouts` prints
+`describe_table()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from plait.models.source import SOURCE_LIMITS
+
+FEATURES = {  # name: what turns it on
+    "dp": "data parallelism: parallel.dp > 1",
+    "tp": "tensor parallelism: parallel.tp > 1",
+    "pp": "pipeline parallelism: parallel.pp > 1",
+    "ep": "expert parallelism: parallel.ep > 1",
+    "sp": "sequence parallelism: parallel.sequence_parallel",
+    "zero": "ZeRO: parallel.zero_stage >= 1",
+    "zero3": "ZeRO-3: parallel.zero_stage = 3",
+    "hybrid": "hybrid sharding: parallel.hybrid_shard > 0",
+    "offload": "optimizer offload: offload.optimizer = cpu or disk",
+    "offload-disk": "disk offload: offload.optimizer = disk",
+    "delayed": "ZeRO-Offload's delayed parameter update: offload.delayed_update",
+    "compression": "gradient compression: comm.compression other than none",
+    "ef-compressor": "an error-feedback compressor: comm.compression = onebit, topk or powersgd",
+    "1-bit-adam": "1-bit Adam: comm.target = momentum",
+    "bf16": "ZeRO's bf16 mixed precision: train.bf16 with parallel.zero_stage >= 1",
+    "recompute": "activation checkpointing: train.activation_checkpointing",
+    "grad-accum": "gradient accumulation: train.micro_batches > 1",
+    "adamw": "optim.name = adamw",
+    "lamb/lars": "a layer-wise optimizer: optim.name = lamb or lars",
+    "moe": "a mixture-of-experts model: model.experts > 0",
+    "dropout": "model.dropout > 0",
+    "tokenizer": "a tokenizer other than bytes: data.tokenizer",
+    "hf": "a Hugging Face model: model.source = hf:*",
+    "python": "a factory's model: model.source = python:*",
+    "ps": "the parameter server: ps.servers > 0",
+    "auto": "the planner chooses the layout: parallel.plan = auto",
+    "api": "the custom-loop API: plait.parallelize",
+}
+# The features a generated row names: (config key, its name in the message templates, its value
+# when off, a value that turns it on for the row's example config).
+SWITCHES = {
+    "tp": ("parallel.tp", "tp", 1, "2"),
+    "pp": ("parallel.pp", "pp", 1, "2"),
+    "ep": ("parallel.ep", "ep", 1, "2"),
+    "zero": ("parallel.zero_stage", "zero_stage", 0, "1"),
+    "hybrid": ("parallel.hybrid_shard", "hybrid_shard", 0, "2"),
+    "compression": ("comm.compression", "compression", "none", "fp16"),
+    "offload": ("offload.optimizer", "offload", "none", "cpu"),
+    "moe": ("model.experts", "experts", 0, "4"),
+    "dropout": ("model.dropout", "dropout", 0.0, "0.1"),
+    "ps": ("ps.servers", "servers", 0, "1"),
+    "tokenizer": ("data.tokenizer", "tokenizer", "bytes", "bpe"),
+}
+LAYOUT_TEST = "tests/test_layout.py::test_refusal_is_raised_from_a_config"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One row: the features `all` together (with one of `any`, when given, and none of `none`)."""
+
+    id: str
+    all: frozenset[str]
+    supported: bool
+    reason: str  # refused: why; supported: what the row covers
+    keys: tuple[str, ...]  # the config keys to name (refused) or to set (supported)
+    test: str  # the pytest node (or file) that proves the row
+    what: str = ""  # refused: the combination as the message names it, over the job's values
+    fix: str = ""  # refused: what to change, over the job's values
+    any: frozenset[str] = frozenset()
+    none: frozenset[str] = frozenset()
+    python: str = ""  # supported: how to ask for it from Python
+    # refused: config overrides the row refuses (api rows: Layout and Job fields)
+    example: tuple[tuple[str, object], ...] = ()
+    api: bool = False  # refused by plait.parallelize (the custom-loop API), not by a config
+    then: str = "; "  # between the reason and the fix in the message
+
+    def applies(self, features: frozenset[str]) -> bool:
+        return (
+            self.all <= features
+            and (not self.any or bool(self.any & features))
+            and not (self.none & features)
+        )
+
+    def message(self, values: dict) -> str:
+        """The error: the combination with its values, why, and what to change (one line)."""
+        return f"{self.what.format(**values)}: {self.reason}{self.then}{self.fix.format(**values)}"
+
+    def combination(self) -> str:
+        """The features as a reader reads them: `tp x lamb/lars`, `hybrid without zero`."""
+        text = " x ".join(f for f in FEATURES if f in self.all)
+        if self.any:
+            text += " x (" + " or ".join(f for f in FEATURES if f in self.any) + ")"
+        if self.none:
+            text += " without " + " or ".join(f for f in FEATURES if f in self.none)
+        return text
+
+
+def _no(id_, all_, what, reason, fix, keys, example, **kw) -> Rule:
+    kw.setdefault("test", f"{LAYOUT_TEST}[{id_}]")
+    return Rule(id_, frozenset(all_), False, reason, keys, what=what, fix=fix, example=example, **kw)
+
+
+def _yes(id_, all_, reason, keys, python, test, any_=()) -> Rule:
+    return Rule(id_, frozenset(all_), True, reason, keys, test, python=python, any=frozenset(any_))
+
+
+def _source_rows() -> list[Rule]:
+    """What an hf: or python: source cannot take, from plait.models' own record of it."""
+    rows = []
+    for kind, spec in SOURCE_LIMITS.items():
+        source = "hf:llama" if kind == "hf" else "python:mymodels:make_net"
+        for feature, key, default in spec["limits"]:
+            _, name, _, on = SWITCHES[feature]
+            fill = {"{key}": key, "{default!r}": repr(default), "{value!r}": "{" + name + "!r}"}
+            what, fix = spec["what"], spec["fix"]
+            for old, new in fill.items():
+                what, fix = what.replace(old, new), fix.replace(old, new)
+            example, keys = (("model.source", source), (key, on)), ("model.source", key)
+            rows.append(_no(f"{kind}-{feature}", {kind, feature}, what, spec["reason"], fix, keys, example))
+    return rows
+
+
+def _ps_rows() -> list[Rule]:
+    """The parameter server stands apart from the mesh: it takes none of its techniques."""
+    rows = []
+    for feature in ("tp", "pp", "ep", "zero", "hybrid", "compression", "offload", "moe", "tokenizer"):
+        key, name, off, on = SWITCHES[feature]
+        what = f"ps.servers = {{servers}} with {key} = {{{name}!r}} is not available"
+        why = "parameter-server workers each hold the whole model and push whole gradients"
+        example = (("ps.servers", "1"), (key, on)) + ((("model.experts", "4"),) if feature == "ep" else ())
+        fix = f"set {key} = {off!r}, or ps.servers = 0"
+        rows.append(_no(f"ps-{feature}", {"ps", feature}, what, why, fix, ("ps.servers", key), example))
+    return rows
+
+
+MOE = (("model.experts", "4"), ("parallel.ep", "2"))
+ADAM1 = (("comm.target", "momentum"), ("comm.compression", "onebit"))
+ADAM1_ = "comm.target = 'momentum' (1-bit Adam)"
+NO_ZERO, NO_OFFLOAD = frozenset({"zero"}), frozenset({"offload"})
+REFUSED = [
+    *_source_rows(),
+    _no("auto-source", {"auto"},
+        "parallel.plan = 'auto' plans plait's own GPT, not model.source = {source!r}",
+        "the cost model's FLOPs and memory are its formulas",
+        "set the layout by hand (parallel.dp, tp, pp, zero_stage) or use plait plan on an equivalent GPT",
+        ("parallel.plan", "model.source"), (("parallel.plan", "auto"), ("model.source", "hf:llama")),
+        any=frozenset({"hf", "python"})),
+    *_ps_rows(),
+    _no("ep-dense", {"ep"}, "parallel.ep = {ep} needs a mixture-of-experts model",
+        "it splits the experts of mixture-of-experts layers, and the model is dense",
+        "set model.experts (e.g. 4) or parallel.ep = 1", ("parallel.ep", "model.experts"),
+        (("parallel.ep", "2"),), none=frozenset({"moe"}), then=": "),
+    _no("ep-hybrid", {"ep", "hybrid"},
+        "parallel.ep = {ep} with parallel.hybrid_shard = {hybrid_shard} is not available",
+        "ZeRO shards experts over their replica group (dp) and dense parameters over dp x ep",
+        "set parallel.hybrid_shard = 0", ("parallel.ep", "parallel.hybrid_shard"),
+        MOE + (("parallel.zero_stage", "1"), ("parallel.hybrid_shard", "1"))),
+    _no("ep-lamb/lars", {"ep", "lamb/lars"},
+        "optim.name = {optimizer!r} with parallel.ep = {ep} is not available",
+        "its per-layer trust ratio needs the norm of each whole expert tensor, which is split over ep",
+        "use optim.name = 'adamw' or 'sgd'", ("optim.name", "parallel.ep"), MOE + (("optim.name", "lamb"),)),
+    _no("ep-1-bit-adam", {"ep", "1-bit-adam", "compression"},
+        "parallel.ep = {ep} with " + ADAM1_ + " is not available",
+        "its momentum is exchanged over dp alone, and dense layers need dp x ep",
+        "set comm.target = 'gradient' (compressed gradients work with ep)", ("parallel.ep", "comm.target"),
+        MOE + ADAM1),
+    _no("1-bit-adam-compressor", {"1-bit-adam"},
+        ADAM1_ + " needs comm.compression = 'onebit', 'topk' or 'powersgd', got {compression!r}",
+        "it compresses the momentum with an error-feedback compressor",
+        "set comm.compression, or comm.target = 'gradient'", ("comm.target", "comm.compression"),
+        (("comm.target", "momentum"),), none=frozenset({"ef-compressor"})),
+    _no("1-bit-adam-optimizer", {"1-bit-adam"}, ADAM1_ + " with optim.name = {optimizer!r} is not available",
+        "it compresses AdamW's momentum", "set optim.name = 'adamw', or comm.target = 'gradient'",
+        ("comm.target", "optim.name"), ADAM1 + (("optim.name", "sgd"),), none=frozenset({"adamw"})),
+    _no("hybrid-zero0", {"hybrid"}, "parallel.hybrid_shard = {hybrid_shard} needs parallel.zero_stage >= 1",
+        "there is nothing to shard at stage 0", "set parallel.zero_stage, or parallel.hybrid_shard = 0",
+        ("parallel.hybrid_shard", "parallel.zero_stage"), (("parallel.hybrid_shard", "2"),), none=NO_ZERO),
+    _no("offload-zero0", {"offload"},
+        "offload.optimizer = {offload!r} needs parallel.zero_stage >= 1",
+        "offload moves the shards of the optimizer state",
+        "set parallel.zero_stage, or offload.optimizer = 'none'",
+        ("offload.optimizer", "parallel.zero_stage"),
+        (("offload.optimizer", "cpu"),), none=NO_ZERO),
+    _no("delayed-no-offload", {"delayed"}, "offload.delayed_update needs offload.optimizer = 'cpu' or 'disk'",
+        "the delayed update is the offloaded step overlapping the next iteration",
+        "set offload.optimizer, or offload.delayed_update = false",
+        ("offload.delayed_update", "offload.optimizer"),
+        (("offload.delayed_update", "true"), ("parallel.zero_stage", "2")), none=NO_OFFLOAD),
+    _no("delayed-lamb/lars", {"delayed", "lamb/lars", "dp", "zero"},
+        "offload.delayed_update with optim.name = {optimizer!r} is not available",
+        "the per-layer norms of LAMB/LARS need a collective inside the step, which runs in a "
+        "background thread", "use adamw or sgd", ("offload.delayed_update", "optim.name"),
+        (("offload.delayed_update", "true"), ("offload.optimizer", "cpu"), ("parallel.zero_stage", "1"),
+         ("optim.name", "lars"))),
+    _no("disk-lamb/lars", {"offload-disk", "lamb/lars", "dp"},
+        "offload.optimizer = 'disk' with optim.name = {optimizer!r} is not available",
+        "the norms of LAMB/LARS need all of a layer at once, and disk offload steps the shards in chunks",
+        "use cpu offload or adamw/sgd", ("offload.optimizer", "optim.name"),
+        (("offload.optimizer", "disk"), ("parallel.zero_stage", "1"), ("optim.name", "lamb"))),
+    _no("1-bit-adam-zero3", {"1-bit-adam", "zero3"},
+        ADAM1_ + " runs with parallel.zero_stage = 0, 1 or 2, got 3",
+        "its ZeRO path forms each rank's momentum over ZeRO-1/2's buckets of whole parameters, and is "
+        "not built over ZeRO-3's units (gradient compression itself works under ZeRO-3)",
+        "use zero_stage = 2", ("comm.target", "parallel.zero_stage"),
+        ADAM1 + (("parallel.zero_stage", "3"),)),
+    _no("1-bit-adam-hybrid", {"1-bit-adam", "hybrid"},
+        ADAM1_ + " with parallel.hybrid_shard = {hybrid_shard} is not available",
+        "the momentum is exchanged over the whole dp axis, which hybrid sharding splits into shard and "
+        "replica groups", "set parallel.hybrid_shard = 0", ("comm.target", "parallel.hybrid_shard"),
+        ADAM1 + (("parallel.zero_stage", "2"), ("parallel.dp", "4"), ("parallel.hybrid_shard", "2"))),
+    _no("1-bit-adam-offload", {"1-bit-adam", "offload"},
+        ADAM1_ + " with offload.optimizer = {offload!r} is not available",
+        "the compressed momentum exchange runs inside the optimizer step on the compute device, which "
+        "offload moves to the host (or, delayed, to a background thread)", "set offload.optimizer = 'none'",
+        ("comm.target", "offload.optimizer"),
+        ADAM1 + (("parallel.zero_stage", "1"), ("offload.optimizer", "cpu"))),
+    _no("zero3-compression-tp", {"zero3", "compression", "tp"},
+        "comm.compression = {compression!r} with parallel.zero_stage = 3 and parallel.tp = {tp} is not "
+        "available", "a ZeRO-3 unit's gradient mixes tp-sharded, replicated and partial parameters, and a "
+        "lossy compressor over it would let tp replicas drift apart",
+        "use zero_stage = 1 or 2 (one placement per bucket) or comm.compression = 'none'",
+        ("comm.compression", "parallel.zero_stage", "parallel.tp"),
+        (("comm.compression", "fp16"), ("parallel.zero_stage", "3"), ("parallel.tp", "2")),
+        none=frozenset({"pp"})),
+    _no("compression-bf16", {"zero", "compression", "bf16"},
+        "comm.compression = {compression!r} with parallel.zero_stage = {zero_stage} needs fp32 gradients",
+        "ZeRO's bf16 mixed precision keeps the gradients in bf16",
+        "set train.bf16 = false, or comm.compression = 'none'",
+        ("comm.compression", "parallel.zero_stage", "train.bf16"),
+        (("comm.compression", "onebit"), ("parallel.zero_stage", "2"), ("train.bf16", "true"))),
+    _no("sp-no-tp", {"sp"}, "parallel.sequence_parallel needs parallel.tp > 1",
+        "it splits the neighbours of tensor-parallel regions along the sequence",
+        "set parallel.tp, or parallel.sequence_parallel = false",
+        ("parallel.sequence_parallel", "parallel.tp"), (("parallel.sequence_parallel", "true"),),
+        none=frozenset({"tp"})),
+    _no("tp-lamb/lars", {"tp", "lamb/lars"},
+        "optim.name = {optimizer!r} with parallel.tp = {tp} is not available",
+        "its per-layer trust ratio needs the norm of each whole layer, and tensor-parallel layers are "
+        "split over tp", "use optim.name = 'adamw' or 'sgd' with tp", ("optim.name", "parallel.tp"),
+        (("parallel.tp", "2"), ("parallel.dp", "1"), ("optim.name", "lamb"))),
+    _no("tp-dropout-recompute", {"tp", "dropout", "recompute"},
+        "tensor parallelism (parallel.tp = {tp}) with model.dropout = {dropout} and "
+        "train.activation_checkpointing is not available",
+        "recomputation would replay per-rank dropout masks from the wrong stream", "drop one of the two",
+        ("parallel.tp", "model.dropout", "train.activation_checkpointing"),
+        (("parallel.tp", "2"), ("model.dropout", "0.1"), ("train.activation_checkpointing", "true"))),
+    _no("1-bit-adam-tp-pp", {"1-bit-adam"},
+        ADAM1_ + " with parallel.tp > 1 or parallel.pp > 1 is not available",
+        "its momentum exchange is built over dp alone (data parallel and ZeRO-1/2), not over "
+        "tensor-parallel placements or a pipeline's stages", "use comm.target = 'gradient'",
+        ("comm.target", "parallel.tp", "parallel.pp"), ADAM1 + (("parallel.pp", "2"),),
+        any=frozenset({"tp", "pp"})),
+    _no("pp-grad-accum", {"pp", "grad-accum"},
+        "train.micro_batches = {micro_batches} with parallel.pp = {pp} is not available",
+        "the pipeline splits each step's batch itself",
+        "set train.micro_batches = 1 and parallel.microbatches instead",
+        ("train.micro_batches", "parallel.pp"),
+        (("parallel.pp", "2"), ("train.micro_batches", "2"))),
+    _no("pp-offload", {"pp", "offload"},
+        "parallel.pp = {pp} with offload.optimizer = {offload!r} is not available",
+        "the pipeline engine does not build the offloaded optimizer yet", "set offload.optimizer = 'none'",
+        ("parallel.pp", "offload.optimizer"),
+        (("parallel.pp", "2"), ("parallel.zero_stage", "1"), ("offload.optimizer", "cpu"))),
+    _no("bf16-zero0", {"bf16"}, "mixed_precision = 'bf16' needs zero_stage >= 1",
+        "stage 0 (plain data parallelism) keeps no fp32 master copy to step",
+        "use zero_stage >= 1 or mixed_precision = None", ("mixed_precision", "zero_stage"),
+        (("mixed_precision", "bf16"),), none=NO_ZERO, api=True),
+    _no("api-pp", {"api", "pp"}, "parallelize: pp = {pp}: pipelines are not offered by plait.parallelize yet",
+        "the custom-loop API builds one engine over the whole model",
+        "use `plait train` for them, or set pp = 1", ("pp",), (("pp", 2),), api=True),
+    _no("api-ep", {"api", "ep"},
+        "parallelize: ep = {ep}: expert parallelism is not offered by plait.parallelize yet",
+        "the custom-loop API builds one engine over the whole model",
+        "use `plait train` for it, or set ep = 1", ("ep",), (("ep", 2), ("experts", 4)), api=True),
+]  # fmt: skip
+
+COMPOSE = "tests/test_compose.py::test_composition_follows_one_process"
+SUPPORTED = [
+    _yes("dp-tp", {"dp", "tp"}, "dp x tp, +/- sequence parallelism (SP)",
+         ("parallel.dp", "parallel.tp", "parallel.sequence_parallel"),
+         "`apply_tp`, then `zero.wrap(..., 0, ...)`",
+         "tests/test_tensor_parallel_gpt.py::test_gpt_parity_with_one_process"),
+    _yes("zero-tp", {"zero", "tp"}, "ZeRO-1/2/3 over dp x tp (ZeRO-3: 2-D FSDP + TP), +/- SP",
+         ("parallel.zero_stage", "parallel.tp"), "`apply_tp`, then `zero.wrap(..., stage, ...)`", COMPOSE),
+    _yes("hybrid-tp", {"hybrid", "zero", "tp"}, "hybrid sharding x tp (8 ranks)",
+         ("parallel.hybrid_shard", "parallel.tp"),
+         "`Mesh(dp=, tp=, dp_shard=)`, `zero.wrap(..., hybrid_shard=)`", COMPOSE),
+    _yes("pp-dp", {"pp", "dp"}, "pp x dp, data parallel within the stages, every schedule",
+         ("parallel.pp", "parallel.dp", "parallel.schedule"), "`PipelineEngine`",
+         "tests/test_pipeline_parity.py::test_every_schedule_matches_one_process"),
+    _yes("pp-zero", {"pp", "zero"}, "pp x dp, ZeRO-1, 2 or 3 within the stages",
+         ("parallel.pp", "parallel.zero_stage"), "`PipelineEngine(..., zero_stage=1)`", COMPOSE),
+    _yes("pp-tp", {"pp", "tp"}, "pp x tp, +/- SP",
+         ("parallel.pp", "parallel.tp", "parallel.sequence_parallel"), "`apply_tp`, then `PipelineEngine`",
+         "tests/test_pipeline_parity.py::test_pipeline_with_data_and_tensor_parallel"),
+    _yes("pp-dp-tp", {"pp", "dp", "tp", "zero", "sp"}, "pp x dp x tp with ZeRO-1 or 3 and SP (8 ranks)",
+         ("parallel.pp", "parallel.dp", "parallel.tp", "parallel.zero_stage", "parallel.sequence_parallel"),
+         "the same", COMPOSE),
+    _yes("compression-tp-pp", {"compression"},
+         "gradient compression with tp, with pp: lossless top-k equals one process, 1-bit keeps "
+         "replicas equal",
+         ("comm.compression",), "`comm_hook=`",
+         "tests/test_compose.py::test_lossy_compression_keeps_replicas_equal", any_={"tp", "pp"}),
+    _yes("compression-zero", {"compression", "zero"},
+         "gradient compression with ZeRO-1/2, with hybrid sharding: equal to data parallelism's",
+         ("comm.compression", "parallel.zero_stage"), "`comm_hook=`", "tests/test_comm_compress.py"),
+    _yes("1-bit-adam-zero", {"1-bit-adam", "ef-compressor", "adamw", "zero"}, "1-bit Adam with ZeRO-1/2",
+         ("comm.target", "comm.compression", "parallel.zero_stage"),
+         "`OneBitAdam`, its `MomentumHook` as `comm_hook=`",
+         "tests/test_optim_onebit_adam.py::test_onebit_adam_under_zero_matches_the_papers_rule"),
+    _yes("moe", {"moe", "ep"},
+         "mixture of experts over ep with dp, tp (+ SP), ZeRO-1/2/3 and pp ([moe.md](moe.md))",
+         ("model.experts", "parallel.ep"), '`apply_ep`, then as above with `data_axes=("dp", "ep")`',
+         "tests/test_moe_train.py::test_every_layout_follows_one_process"),
+    _yes("compression-ep", {"compression", "moe", "ep"}, "gradient compression with ep (stages 0, 2, 3)",
+         ("comm.compression", "parallel.ep"), "`comm_hook=`",
+         "tests/test_comm_compress.py::test_compressors_under_expert_parallelism_keep_replicas_identical"),
+]  # fmt: skip
+COMBINATIONS: tuple[Rule, ...] = (*REFUSED, *SUPPORTED)
+"""The table: the refused rows in the order they are checked, then the supported ones."""
+assert len({r.id for r in COMBINATIONS}) == len(COMBINATIONS), "row ids name one row each"
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def table_markdown() -> str:
+    """docs/compose.md's matrix: what combines (and the test that proves it), what is refused."""
+    out = [
+        "| combination | features | `plait train` keys | Python | tested in |",
+        "|---|---|---|---|---|",
+    ]
+    for r in SUPPORTED:
+        keys = ", ".join(f"`{k}`" for k in r.keys)
+        out.append(f"| {_md(r.reason)} | {r.combination()} | {keys} | {r.python} | `{r.test}` |")
+    out += [
+        "",
+        "Refused, checked before any process starts in the order listed (`plait.layout.check`); the "
+        "message names the keys and says what to change:",
+        "",
+        f"| combination | why | keys | `{LAYOUT_TEST}[...]` |",
+        "|---|---|---|---|",
+    ]
+    for r in REFUSED:
+        keys = ", ".join(f"`{k}`" for k in r.keys)
+        where = " (`plait.parallelize`)" if r.api else ""
+        test = f"`[{r.id}]`" if r.test == f"{LAYOUT_TEST}[{r.id}]" else f"`{r.test}`"
+        out.append(f"| {_md(r.combination())}{where} | {_md(r.reason)} | {keys} | {test} |")
+    out += ["", "Features:", ""]
+    out += [f"- `{name}`: {doc}" for name, doc in FEATURES.items()]
+    return "\n".join(out) + "\n"
+
+
+def describe_table() -> str:
+    """The table as plain text, for `plait layouts`."""
+    width = max(len(r.combination()) for r in COMBINATIONS)
+    out = ["Features:"] + [f"  {name:<14} {doc}" for name, doc in FEATURES.items()]
+    out += ["", "Supported (each proved against one process):"]
+    out += [f"  {r.combination():<{width}}  {r.reason}  [{r.test}]" for r in SUPPORTED]
+    out += ["", "Refused (with the keys to change):"]
+    for r in REFUSED:
+        where = " (plait.parallelize)" if r.api else ""
+        out.append(f"  {r.combination():<{width}}  {r.reason}{where}; keys: {', '.join(r.keys)}")
+    return "\n".join(out)
+
+
+BEGIN = "<!-- combinations: generated by plait.combinations.table_markdown(); edit the table there -->"
+END = "<!-- combinations: end -->"
+
+
+def with_table(text: str) -> str:
+    """`text` (a markdown page) with the part between `BEGIN` and `END` replaced by the table."""
+    head, found, rest = text.partition(BEGIN)
+    _, found_end, tail = rest.partition(END)
+    if not (found and found_end):
+        raise ValueError(f"the page has no {BEGIN!r} ... {END!r} section")
+    return f"{head}{BEGIN}\n\n{table_markdown()}\n{END}{tail}"
+
+
+if __name__ == "__main__":  # python -m plait.combinations docs/compose.md: regenerate the page's matrix
+    import sys
+    from pathlib import Path
+
+    page = Path(sys.argv[1])
+    page.write_text(with_table(page.read_text()))

@@ -1,0 +1,136 @@
+"""`plait.layout`: the Layout record, its derived axes, and the combination table it checks."""
+
+import ast
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from plait.combinations import COMBINATIONS, FEATURES, REFUSED, SUPPORTED, describe_table, with_table
+from plait.errors import ConfigError
+from plait.layout import Job, Layout, check, features, message_values, refusal
+from plait.models import gpt_config
+from plait.planner.cluster import Cluster, Link
+from plait.planner.search import as_layout, enumerate_layouts
+from plait.train.config import Config, pipeline_shape, read_config, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUT_FIELDS = {f.name for f in dataclasses.fields(Layout)}
+
+
+def _example(rule):
+    """The layout and job of a row's example (a config's overrides, or fields for an API row)."""
+    if rule.api:
+        fields = dict(rule.example)
+        layout = Layout(**{k: v for k, v in fields.items() if k in LAYOUT_FIELDS})
+        return None, layout, Job(api=True, **{k: v for k, v in fields.items() if k not in LAYOUT_FIELDS})
+    cfg = read_config(None, rule.example)
+    return cfg, Layout.from_config(cfg), Job.from_config(cfg)
+
+
+@pytest.mark.parametrize("rule", REFUSED, ids=[r.id for r in REFUSED])
+def test_refusal_is_raised_from_a_config(rule):
+    cfg, layout, job = _example(rule)
+    assert refusal(layout, job) is rule, (rule.id, refusal(layout, job))
+    message = rule.message(message_values(layout, job))
+    assert "\n" not in message and "{" not in message, message
+    for key in rule.keys:
+        assert key in message, (key, message)
+    hf_only = job.source.startswith("hf:") and importlib.util.find_spec("transformers") is None
+    if cfg is None or hf_only:  # plait.parallelize's own (or hf's, without transformers): check()
+        with pytest.raises(ConfigError) as err:
+            check(layout, job)
+    else:  # plait train: the config is refused before any process starts
+        with pytest.raises(ConfigError) as err:
+            validate(cfg, data=False)
+    assert str(err.value) == message
+
+
+def _defines(path: Path, name: str) -> bool:
+    tree = ast.parse(path.read_text())
+    return any(isinstance(n, ast.FunctionDef) and n.name == name for n in tree.body)
+
+
+@pytest.mark.parametrize("rule", COMBINATIONS, ids=[r.id for r in COMBINATIONS])
+def test_every_row_names_a_test_that_exists(rule):
+    path, _, node = rule.test.partition("::")
+    assert (ROOT / path).is_file(), rule.test
+    if node:
+        name, _, param = node.partition("[")
+        assert _defines(ROOT / path, name), rule.test
+        if path == "tests/test_layout.py" and param:
+            assert param.rstrip("]") in {r.id for r in REFUSED}, rule.test
+    assert (
+        rule.reason and rule.all <= set(FEATURES) and rule.any <= set(FEATURES) and rule.none <= set(FEATURES)
+    )
+
+
+@pytest.mark.parametrize("rule", SUPPORTED, ids=[r.id for r in SUPPORTED])
+def test_no_refused_row_covers_a_supported_one(rule):
+    for extra in sorted(rule.any) or [None]:
+        on = frozenset(rule.all | {extra} - {None})
+        assert not [r.id for r in REFUSED if r.applies(on)], (rule.id, on)
+
+
+def test_docs_matrix_is_the_table():
+    page = ROOT / "docs" / "compose.md"
+    text = page.read_text()
+    assert text == with_table(text), (
+        "docs/compose.md's combination matrix differs from plait.combinations: regenerate it with "
+        "`python -m plait.combinations docs/compose.md`"
+    )
+
+
+def test_describe_table_lists_every_row():
+    text = describe_table()
+    for rule in COMBINATIONS:
+        assert rule.combination() in text and rule.reason in text, rule.id
+    assert all(name in text for name in FEATURES)
+
+
+def test_derived_axes_and_pipeline_shape():
+    lay = Layout(pp=2, dp=4, ep=2, tp=2, dp_shard=2, zero_stage=3, schedule="interleaved")
+    assert lay.world == 32 and lay.sizes == {"pp": 2, "dp": 4, "ep": 2, "tp": 2}
+    assert lay.hybrid and lay.dp_replicate == 2 and lay.shard_axis == "dp_shard"
+    assert lay.replicate_axis == "dp_replicate" and lay.data_axes == ("dp", "ep")
+    assert lay.pipeline_microbatches == 4 and lay.stages_per_rank == 2 and lay.n_stages == 4
+    assert lay.describe() == "pp=2 x dp=4 x ep=2 x tp=2"
+    combined = lay.combined_axes()
+    assert len(combined) == 2**4 - 4 - 1 and ("pp", "dp", "ep", "tp") in combined and ("dp", "tp") in combined
+    assert Layout(dp=2, tp=2).combined_axes() == [("dp", "tp")] and Layout(dp=8).combined_axes() == []
+    plain = Layout(dp=2)
+    assert plain.data_axes == ("dp",) and plain.shard_axis == "dp" and plain.replicate_axis is None
+    assert Layout(pp=2, microbatches=6, virtual_stages=3).n_stages == 6
+    lay.check_degrees(32)
+    with pytest.raises(ConfigError, match="make pp x dp x ep x tp = 8"):
+        plain.check_degrees(8)
+    with pytest.raises(ConfigError, match="hybrid shard 3 must divide dp = 2"):
+        Layout(dp=2, dp_shard=3).check_degrees()
+
+
+def test_from_config_and_features():
+    cfg = read_config(
+        None, [("parallel.pp", "2"), ("parallel.schedule", "zb-v"), ("parallel.zero_stage", "1")]
+    )
+    cfg.train.bf16, cfg.comm.compression, cfg.optim.name = True, "topk", "lamb"
+    lay, job = Layout.from_config(cfg), Job.from_config(cfg)
+    assert (lay.pp, lay.dp, lay.zero_stage, lay.mixed_precision) == (2, 2, 1, "bf16")
+    assert pipeline_shape(cfg) == (4, 2) == (lay.pipeline_microbatches, lay.stages_per_rank)
+    assert features(lay, job) == {"pp", "dp", "zero", "bf16", "compression", "ef-compressor", "lamb/lars"}
+    assert Layout.from_config(Config()) == Layout(dp=2) and Job.from_config(Config()) == Job()
+    assert features(Layout(), Job(source="hf:gpt2", plan="auto")) == {"hf", "auto", "adamw"}
+    with pytest.raises(ConfigError, match="zero_stage = 0, 1 or 2, got 3"):
+        check(Layout(dp=2, zero_stage=3, compression="onebit", comm_target="momentum"))
+    check(Layout(pp=2, dp=2, tp=2, zero_stage=3, sequence_parallel=True, compression="topk"))
+
+
+def test_planner_enumeration_reads_the_table():
+    cpu = Cluster("t", gpus_per_node=8, peak_tflops=1.0, memory_gb=1.0, intra=Link(1e-6, 1e9),
+                  inter=Link(1e-6, 1e9), cores=0)  # fmt: skip
+    model = gpt_config("tiny")
+    every = list(enumerate_layouts(model, 16, 4, cpu, dropout=0.1))
+    assert every and all(refusal(as_layout(lay), Job(dropout=0.1)) is None for lay in every)
+    assert not [lay for lay in every if lay.tp > 1 and lay.recompute]  # tp x dropout x recompute
+    assert not [lay for lay in every if lay.pp > 1 and lay.offload != "none"]  # pp x offload
+    assert [lay for lay in every if lay.offload == "cpu"] and [lay for lay in every if lay.tp > 1]
