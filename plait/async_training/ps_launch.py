@@ -202,7 +202,7 @@ def launch_ps(cfg, resume: bool = False) -> int:
     watch them until they finish; returns the exit code."""
     from torch.distributed import TCPStore
 
-    from plait.testing import free_port
+    from plait.comm.ports import free_port
     from plait.train.rundir import claim_run, hold_run_dir
 
     if resume:
