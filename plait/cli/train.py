@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from plait.async_training.ps_launch import launch_ps
 from plait.errors import ConfigError
 from plait.planner.auto import resolve_auto
 from plait.train.config import describe_keys, load_config, parse_overrides
@@ -69,6 +70,13 @@ def main(argv: list[str]) -> int:
                 "its own; choose the layout first (plait plan --cluster this --devices N) and pass its keys"
             )
         cfg, _ = resolve_auto(cfg, out=sys.stdout)
+    if cfg.ps.servers:  # servers and workers as separate processes (plait.async_training)
+        if under_launcher():
+            raise ConfigError(
+                f"ps.servers = {cfg.ps.servers}: the parameter server starts its own servers and "
+                "workers; run plait train directly, not under torchrun"
+            )
+        return launch_ps(cfg, resume=resume_dir is not None)
     return launch(cfg, resume=resume_dir is not None, checkpoint=checkpoint)
 
 

@@ -31,7 +31,6 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher import api as elastic_api
 
-from plait.async_training.ps_launch import launch_ps
 from plait.comm.ports import free_port
 from plait.comm.recorder import WATCHDOG_PREFIX
 from plait.errors import ConfigError
@@ -89,14 +88,11 @@ LAUNCHER_PID_ENV = "PLAIT_LAUNCHER_PID"  # the process that started the ranks (a
 def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = None) -> int:
     """Run the configured job; returns the process exit code (0 on success). `checkpoint`: the
     one to resume from (default: `latest`, or the newest that verifies)."""
-    if cfg.ps.servers:  # servers and workers as separate processes (plait.async_training)
-        if under_launcher():
-            raise ConfigError(
-                f"ps.servers = {cfg.ps.servers}: the parameter server starts its own servers and "
-                "workers; run plait train directly, not under torchrun"
-            )
-
-        return launch_ps(cfg, resume=resume)
+    if cfg.ps.servers:  # a runtime of its own, above this one: `plait train` starts it
+        raise ConfigError(
+            f"ps.servers = {cfg.ps.servers}: the parameter server is started by "
+            "plait.async_training.ps_launch.launch_ps (as plait train does), not by plait.train.launch"
+        )
     world = cfg.world_size
     if under_launcher():
         actual = int(os.environ["WORLD_SIZE"])

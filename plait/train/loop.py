@@ -154,7 +154,7 @@ def _train(
         # not while steps are being skipped: the newest checkpoint stays the last good state
         if due and not run.skipped_in_a_row:
             _save(run, step)
-        if stop.requested(mesh):  # SIGTERM on any rank: every rank stops after this step
+        if run.stop.requested(mesh):  # SIGTERM on any rank: every rank stops after this step
             if not due:
                 _save(run, step)
             bar.close()
