@@ -47,6 +47,7 @@ from plait.errors import ConfigError, PlaitError
 
 __all__ = ["DiskStateOptimizer", "OffloadError"]
 
+
 class OffloadError(PlaitError):
     """Offloaded state that cannot be written or read: unwritable path, full disk, bad file."""
 
