@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import gc
 import json
 import math
@@ -19,7 +20,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -30,6 +30,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from plait.comm.ports import free_port
+from plait.comm.recorder import write_error_file
+from plait.zero import offload_disk
+
 
 class RankFailure(AssertionError):
     """One or more ranks failed; `failures` maps rank -> its traceback or report."""
@@ -38,12 +42,6 @@ class RankFailure(AssertionError):
         super().__init__(message)
         self.failures = failures
         self.exitcodes = exitcodes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, workdir: str, args: tuple, env: dict) -> None:
@@ -68,8 +66,6 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, workdir: str, ar
         dist.barrier()  # leave together: a peer tearing down gloo under a live one can abort it
         dist.destroy_process_group()
     except BaseException as exc:
-        from plait.comm.recorder import write_error_file
-
         write_error_file(f"{type(exc).__name__}: {exc}", traceback.format_exc())
         os._exit(1)  # skip atexit hooks that could block on a dead peer
     # The result is on disk. Skip the interpreter's teardown: destructors of torch's C++ threads
@@ -324,6 +320,7 @@ def inject_fault(step: int, rank: int, cfg, engine=None) -> None:
     elif mode == "sigterm":
         os.kill(int(os.environ.get("PLAIT_LAUNCHER_PID", os.getppid())), signal.SIGTERM)
     elif mode == "perturb":
+        # the trainer only here: run_ranks's children import this module and need none of it
         from plait.train.replicas import held_parameters
 
         with torch.no_grad():
@@ -333,10 +330,6 @@ def inject_fault(step: int, rank: int, cfg, engine=None) -> None:
 
 
 def _fill_disk() -> None:
-    import errno
-
-    from plait.zero import offload_disk
-
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 

@@ -121,6 +121,7 @@ _PRELOAD = [
     "torch.distributed",
     "plait",
     "plait.cli",
+    "plait.cli.train",
     "plait.train.launch",
     "plait.train.loop",
     "cli_child",

@@ -217,7 +217,7 @@ def test_adapter_gives_the_contract(factories):
     assert not isinstance(gpt, PythonModel)  # meets the contract: used as it is
     # MFU's model FLOPs: 6 x parameters for any model, a GPT's own count for a GPT
     from plait.models import gpt_train_flops_per_token
-    from plait.train.loop import _flops_per_token
+    from plait.train.report import flops_per_token as _flops_per_token
 
     assert _flops_per_token(model) == 6 * sum(p.numel() for p in model.parameters())
     assert _flops_per_token(gpt) == gpt_train_flops_per_token(gpt.cfg)

@@ -24,8 +24,10 @@ Only committed parts are applied; when the launcher marks a worker dead, each se
 store for the parts it still holds and applies the committed ones, discards the others. Because
 the commit is one store write, every server makes the same decision.
 
-The handlers run on torch.distributed.rpc's thread pool and reach this process's one `Shard`
-through `_SHARD` (an RPC handler is a module-level function; the server process holds one shard).
+The handlers run on torch.distributed.rpc's thread pool. An RPC names its function by module and
+name, and a worker has no handle on a server's objects until a call reaches it, so the handlers find
+the shard of this server process through the one binding that `serving(shard)` makes for the
+server's life (an RRef would have to be handed to the workers by a call that needs the same lookup).
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ from pathlib import Path
 import torch
 
 from plait.optim import build_optimizer, param_groups
+from plait.train.loop import lr_factor
 
-_SHARD: Shard | None = None
+# the shard this server process serves, bound by `serving` only (a server process serves one)
+_SERVED: dict[str, Shard] = {}
 
 
 def key_ranges(numels: list[int], servers: int) -> list[tuple[int, int]]:
@@ -81,8 +85,6 @@ class Shard:
     """One server's state: its tensors and optimizer, the pushes it holds, its clocks."""
 
     def __init__(self, cfg, index: int, params: list[torch.Tensor], store, run_dir: Path, start: int):
-        from plait.train.loop import lr_factor
-
         self.cfg, self.index, self.store, self.run_dir = cfg, index, store, Path(run_dir)
         self.servers, self.workers = cfg.ps.servers, cfg.parallel.dp
         self.mode = cfg.ps.consistency
@@ -285,25 +287,44 @@ class Shard:
 # -- RPC handlers (module-level: torch.distributed.rpc pickles a function by its name) ----------
 
 
+@contextlib.contextmanager
+def serving(shard: Shard):
+    """Bind `shard` as what this process's RPC handlers serve, for the life of the block: enter it
+    before the RPC agent starts, as a worker's first pull may arrive at once."""
+    if _SERVED:
+        raise RuntimeError(f"this process already serves shard {_SERVED['shard'].index}")
+    _SERVED["shard"] = shard
+    try:
+        yield shard
+    finally:
+        _SERVED.clear()
+
+
+def _served() -> Shard:
+    try:
+        return _SERVED["shard"]
+    except KeyError:
+        raise RuntimeError("no parameter-server shard is served in this process") from None
+
+
 def handle_pull(worker: int, clock: int):
-    return _SHARD.pull(worker, clock)
+    return _served().pull(worker, clock)
 
 
 def handle_push(worker: int, clock: int, version: int, grads: list[torch.Tensor], loss: float) -> bool:
-    _SHARD.push(worker, clock, version, grads, loss)
+    _served().push(worker, clock, version, grads, loss)
     return True
 
 
 def handle_commit(worker: int, clock: int) -> bool:
-    _SHARD.commit(worker, clock)
+    _served().commit(worker, clock)
     return True
 
 
 def serve(shard: Shard, last: int, poll_s: float = 0.02) -> None:
-    """The server's main thread: watch the store for workers marked dead (by the launcher) or
-    done (by themselves) until every worker is one or the other, then save the final shard."""
-    global _SHARD
-    _SHARD = shard
+    """The server's main thread (inside `serving(shard)`): watch the store for workers marked dead
+    (by the launcher) or done (by themselves) until every worker is one or the other, then save
+    the final shard."""
     store, workers = shard.store, shard.workers
     store.set(f"ps/ready/server{shard.index}", "1")
     while not shard.finished():

@@ -124,12 +124,12 @@ def _server_entry(cfg_dict: dict, index: int, store_port: int, rpc_port: int, ru
     shard = ps.Shard(cfg, index, params[lo:hi], store, Path(run_dir), start)
     if start:
         shard.load(Path(run_dir) / "ps_checkpoints" / f"step_{start}" / f"server{index}.pt")
-    ps._SHARD = shard
     world = cfg.ps.servers + cfg.parallel.dp
-    _rpc_init(f"server{index}", index, world, rpc_port, cfg.comm.timeout_s)
     last = min(cfg.train.steps, cfg.train.stop_at) if cfg.train.stop_at else cfg.train.steps
-    ps.serve(shard, last)
-    _leave()
+    with ps.serving(shard):
+        _rpc_init(f"server{index}", index, world, rpc_port, cfg.comm.timeout_s)
+        ps.serve(shard, last)
+        _leave()
 
 
 @_unfiltered_on_error
@@ -202,7 +202,7 @@ def launch_ps(cfg, resume: bool = False) -> int:
     watch them until they finish; returns the exit code."""
     from torch.distributed import TCPStore
 
-    from plait.testing import free_port
+    from plait.comm.ports import free_port
     from plait.train.rundir import claim_run, hold_run_dir
 
     if resume:

@@ -27,16 +27,26 @@ import uuid
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.launcher import api as elastic_api
 
+from plait.comm.ports import free_port
 from plait.comm.recorder import WATCHDOG_PREFIX
 from plait.errors import ConfigError
-from plait.testing import free_port
-from plait.train.config import Config
+from plait.train import loop
+from plait.train.config import Config, config_from_dict
 from plait.train.peak import peak_flops_per_rank
+from plait.train.preempt import PREEMPTED_EXIT
+from plait.train.preflight import check_before_start, check_run_dir
 from plait.train.rundir import claim_run, hold_run_dir
 
+# `loop.run` and `elastic_api.elastic_launch` are looked up when called, not bound here: the
+# launch tests replace them to see what would start without starting it.
 
-def _under_launcher() -> bool:
+
+def under_launcher() -> bool:
+    """Whether this process is one rank of an outer launcher's job (torchrun, a cluster's)."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
@@ -56,13 +66,10 @@ def _worker(cfg_dict: dict, resume: bool, peak: float | None, env: dict[str, str
     """Entry point of each rank (elastic_launch records its exception in the error file). A
     rank is forked from a server process started at the first launch, so it gets the launching
     process's environment of now (`env`) on top of the agent's per-rank variables."""
-    from plait.train.config import config_from_dict
-    from plait.train.loop import run
-
     os.environ.update(env)  # the launcher runs unlaunched: no rank variables of its own to clash
     signal.signal(signal.SIGINT, _interrupt_once)
     try:
-        return run(config_from_dict(cfg_dict), resume=resume, peak_flops=peak, restart=_restart_count())
+        return loop.run(config_from_dict(cfg_dict), resume=resume, peak_flops=peak, restart=_restart_count())
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says it once
         raise SystemExit(INTERRUPTED_EXIT) from None
 
@@ -81,18 +88,13 @@ LAUNCHER_PID_ENV = "PLAIT_LAUNCHER_PID"  # the process that started the ranks (a
 def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = None) -> int:
     """Run the configured job; returns the process exit code (0 on success). `checkpoint`: the
     one to resume from (default: `latest`, or the newest that verifies)."""
-    if cfg.ps.servers:  # servers and workers as separate processes (plait.async_training)
-        from plait.async_training.ps_launch import launch_ps
-
-        if _under_launcher():
-            raise ConfigError(
-                f"ps.servers = {cfg.ps.servers}: the parameter server starts its own servers and "
-                "workers; run plait train directly, not under torchrun"
-            )
-
-        return launch_ps(cfg, resume=resume)
+    if cfg.ps.servers:  # a runtime of its own, above this one: `plait train` starts it
+        raise ConfigError(
+            f"ps.servers = {cfg.ps.servers}: the parameter server is started by "
+            "plait.async_training.ps_launch.launch_ps (as plait train does), not by plait.train.launch"
+        )
     world = cfg.world_size
-    if _under_launcher():
+    if under_launcher():
         actual = int(os.environ["WORLD_SIZE"])
         if actual != world:
             raise ConfigError(
@@ -100,24 +102,20 @@ def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = No
                 f"(pp x dp x ep x tp = {cfg.parallel.pp} x {cfg.parallel.dp} x {cfg.parallel.ep} x "
                 f"{cfg.parallel.tp}): change parallel.dp or the launcher's --nproc-per-node/--nnodes"
             )
-        from plait.train.loop import run
-
         restart = _restart_count()
         if os.environ.get("RANK", "0") != "0":  # rank 0 owns the run; the others take its directory
-            run(cfg, resume=resume, restart=restart)
+            loop.run(cfg, resume=resume, restart=restart)
             return 0
         if restart and cfg.train.run_dir:  # torchrun restarted the job: the run is ours again
             held = hold_run_dir(cfg.train.run_dir)
         else:
             cfg, held = claim_run(cfg, resume, checkpoint)
         with held:
-            run(cfg, resume=resume, restart=restart)
+            loop.run(cfg, resume=resume, restart=restart)
         return 0
 
     # the run directory, its lock and (on resume) its checkpoint, before any rank starts
     if cfg.train.run_dir:  # a clear refusal for a directory that cannot be made or written
-        from plait.train.preflight import check_run_dir
-
         check_run_dir(cfg.train.run_dir)
     cfg, held = claim_run(cfg, resume, checkpoint)
     with held:
@@ -133,70 +131,19 @@ def _launch_here(cfg: Config, world: int, resume: bool) -> int:
         raise ConfigError(
             f"{world} ranks need {world} GPUs on this machine, found {torch.cuda.device_count()}"
         )
-    from plait.train.preflight import check_before_start
-
     check_before_start(cfg, use_cuda=use_cuda, ranks=world)  # run directory writable, memory
     threads = _threads_per_rank(world)
     peak = None
     if not use_cuda:
         peak = peak_flops_per_rank(torch.device("cpu"), cfg.train.bf16, threads, cfg.train.peak_tflops)
-
     if world == 1 and cfg.train.max_restarts == 0:
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-        )
-        from plait.train.loop import run
-
-        try:
-            run(cfg, resume=resume, peak_flops=peak)
-        finally:
-            for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-                os.environ.pop(k, None)
-        return 0
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from plait.train.loop import PREEMPTED_EXIT
-
+        return _run_in_this_process(cfg, resume, peak)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    # A restarted group must not share the agent's store with the failed one: its ranks would
-    # read the old group's addresses and fail to connect (pytorch/pytorch#135712). Each
-    # attempt's rank 0 then hosts a store of its own on a fresh port.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # a rank's parent is the fork server
-    # Ranks are forked from one server process that imported torch and the trainer once,
-    # instead of each rank importing them again (spawn): seconds per launch and restart. The
-    # server is a fresh interpreter that never touched CUDA, so forking from it is safe on GPUs.
-    preload = ["torch", "plait.train.loop"]
-    if cfg.model.source.startswith("hf:"):  # seconds of import, paid once in the server
-        preload += ["transformers", "plait.models.hf"]
-    multiprocessing.set_forkserver_preload(preload)
-    lc = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world,
-        run_id=f"plait-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=cfg.train.max_restarts,
-        monitor_interval=0.1,
-        start_method="forkserver",
-    )
-    # The agent logs every rank's traceback at ERROR level, and its shutdowns and restarts at
-    # WARNING, each module's logger at its own level; plait prints the root cause once.
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
     t0 = time.time()
     try:
-        elastic_launch(lc, entrypoint=_worker)(cfg.to_dict(), resume, peak, dict(os.environ))
+        elastic_api.elastic_launch(_launch_config(cfg, world), entrypoint=_worker)(
+            cfg.to_dict(), resume, peak, dict(os.environ)
+        )
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
         if codes == {PREEMPTED_EXIT}:  # the ranks themselves got SIGTERM and saved
@@ -221,6 +168,60 @@ def _launch_here(cfg: Config, world: int, resume: bool) -> int:
     return 0
 
 
+_RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _run_in_this_process(cfg: Config, resume: bool, peak: float | None) -> int:
+    """The only rank, in this process (a gloo group of one): a debugger just works."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+    )
+    try:
+        loop.run(cfg, resume=resume, peak_flops=peak)
+    finally:
+        for k in _RANK_ENV:
+            os.environ.pop(k, None)
+    return 0
+
+
+def _launch_config(cfg: Config, world: int) -> elastic_api.LaunchConfig:
+    """The elastic agent's configuration for `world` ranks on this machine, and the process
+    settings its ranks inherit (set here, in the launching process)."""
+    # A restarted group must not share the agent's store with the failed one: its ranks would
+    # read the old group's addresses and fail to connect (pytorch/pytorch#135712). Each
+    # attempt's rank 0 then hosts a store of its own on a fresh port.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # a rank's parent is the fork server
+    # Ranks are forked from one server process that imported torch and the trainer once,
+    # instead of each rank importing them again (spawn): seconds per launch and restart. The
+    # server is a fresh interpreter that never touched CUDA, so forking from it is safe on GPUs.
+    preload = ["torch", "plait.train.loop"]
+    if cfg.model.source.startswith("hf:"):  # seconds of import, paid once in the server
+        preload += ["transformers", "plait.models.hf"]
+    multiprocessing.set_forkserver_preload(preload)
+    # The agent logs every rank's traceback at ERROR level, and its shutdowns and restarts at
+    # WARNING, each module's logger at its own level; plait prints the root cause once.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    return elastic_api.LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world,
+        run_id=f"plait-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=cfg.train.max_restarts,
+        monitor_interval=0.1,
+        start_method="forkserver",
+    )
+
+
 _PLAIT_ERRORS = {
     "ConfigError",
     "TopologyError",
@@ -240,8 +241,6 @@ def _with_reports_on_disk(failures: dict) -> dict:
     down while a peer, dying in a collective with it, exits before it. Every rank of the
     attempt that wrote an error file is a candidate for the root cause (local rank = rank: one
     machine)."""
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
     found = dict(failures)
     for failure in failures.values():
         if not getattr(failure, "error_file", None):

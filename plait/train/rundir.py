@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from plait.errors import ConfigError, RunInUseError
+from plait.train.checkpoint import LATEST, choose_checkpoint, set_latest
 
 LOCK = "run.lock"
 
@@ -120,6 +121,15 @@ def hold_run_dir(run_dir: str | Path) -> RunLock:
     return RunLock(path, fd)
 
 
+def check_fresh_run_dir(run_dir: Path) -> None:
+    """A new run never writes into another run's directory (its checkpoints and metrics)."""
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        raise ConfigError(
+            f"train.run_dir {str(run_dir)!r} already holds a run: continue it with --resume {run_dir}, "
+            "or choose another train.run_dir"
+        )
+
+
 def resume_target(arg: str | Path) -> tuple[Path, Path | None]:
     """--resume's argument as (run directory, checkpoint asked for or None): a run directory, or
     one of its checkpoints, RUN_DIR/checkpoints/step_N."""
@@ -140,9 +150,6 @@ def claim_run(cfg, resume: bool, checkpoint: str | Path | None = None):
     directory that holds no run; a resumed one gets its checkpoint chosen and verified, and
     `latest` names that checkpoint, so every rank loads it and it is never pruned before the run
     saves a newer one. Returns (the config with its run directory, the held RunLock)."""
-    from plait.train.checkpoint import LATEST, choose_checkpoint, set_latest
-    from plait.train.loop import check_fresh_run_dir
-
     try:
         if not cfg.train.run_dir:
             train = dataclasses.replace(cfg.train, run_dir=str(create_run_dir()))

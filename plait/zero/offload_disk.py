@@ -10,7 +10,7 @@ fused or foreach, SGD with momentum, `plait.optim.LAMB` / `LARS` without a ``nor
                  run the inner optimizer's own step on just that chunk       (unchanged arithmetic)
                  write the new state back (tmp file + os.replace), drop it    (host -> disk)
 
-Files: one directory per instance, ``<path>/rank<r>-<pid>-<n>-<random>/``, holding one raw little-endian
+Files: one directory per instance, ``<path>/rank<r>-<pid>-<random>/``, holding one raw little-endian
 file per (parameter index, state key), e.g. ``p3.exp_avg.bin``: the tensor's bytes, nothing else;
 shape, dtype and size are kept in memory and checked on every read. The parameter index is the
 position in the inner optimizer's param groups, as in a torch optimizer state dict. 0-dim state
@@ -31,7 +31,6 @@ are refused. Pass ``.inner`` to LR schedulers (they require a torch Optimizer in
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import shutil
@@ -47,8 +46,6 @@ from torch import Tensor
 from plait.errors import ConfigError, PlaitError
 
 __all__ = ["DiskStateOptimizer", "OffloadError"]
-
-_instances = itertools.count()
 
 
 class OffloadError(PlaitError):
@@ -127,8 +124,9 @@ class DiskStateOptimizer:
         target = None
         try:
             root.mkdir(parents=True, exist_ok=True)
-            # mkdtemp adds a random suffix: a stale directory of an earlier run with this pid never clashes.
-            target = Path(tempfile.mkdtemp(prefix=f"rank{rank}-{os.getpid()}-{next(_instances)}-", dir=root))
+            # mkdtemp adds a random suffix and creates the directory atomically: two instances in one
+            # process, or a stale directory of an earlier run with this pid, never clash.
+            target = Path(tempfile.mkdtemp(prefix=f"rank{rank}-{os.getpid()}-", dir=root))
             probe = target / ".probe"
             _write_file(probe, memoryview(b"plait"))
             probe.unlink()

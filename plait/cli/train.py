@@ -1,0 +1,119 @@
+"""`plait train [CONFIG.toml] [--section.key value ...] [--resume RUN_DIR]`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from plait.async_training.ps_launch import launch_ps
+from plait.errors import ConfigError
+from plait.planner.auto import resolve_auto
+from plait.train.config import describe_keys, load_config, parse_overrides
+from plait.train.launch import launch, under_launcher
+from plait.train.rundir import resume_target
+
+USAGE = """plait train [CONFIG.toml] [--section.key value ...] [--resume RUN_DIR]
+
+Train a GPT on the configured mesh. CONFIG defaults to plait's built-in defaults; every key can
+be overridden on the command line, e.g. `plait train configs/default.toml --train.steps 50`.
+--resume RUN_DIR continues the run in RUN_DIR from its latest checkpoint, with its config (from the
+newest one that verifies if `latest` is missing or damaged); --resume RUN_DIR/checkpoints/step_N
+continues from that one. One plait train at a time owns a run directory.
+`plait export RUN_DIR` writes a run's model as one safetensors file (plait export --help).
+Sizes are bounded (steps at most 1e9, dimensions, degrees and batches at most 2**20), and a job
+that does not fit in memory is refused before start (PLAIT_MEMORY_CHECK=0 skips that check):
+docs/fault-tolerance.md.
+Keys:
+"""
+
+# Checkpoints are saved layout-free (plait.zero.state): a run may resume on another dp degree,
+# tensor- or expert-parallel degree, pipeline (degree, schedule, micro-batches), ZeRO stage, hybrid group or
+# bucket size, and DCP reads the shards the new layout needs.
+RESHARDABLE = (
+    "parallel.pp",
+    "parallel.schedule",
+    "parallel.microbatches",
+    "parallel.virtual_stages",
+    "parallel.dp",
+    "parallel.ep",
+    "parallel.tp",
+    "parallel.sequence_parallel",
+    "parallel.zero_stage",
+    "parallel.hybrid_shard",
+    "parallel.bucket_mb",
+)
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE + describe_keys())
+        return 0
+    resume_dir, rest = _split_resume(argv)
+    config_path = None
+    if rest and not rest[0].startswith("--"):
+        config_path, rest = rest[0], rest[1:]
+    overrides = parse_overrides(rest)
+    checkpoint = None
+    if resume_dir is not None:
+        if config_path is not None:
+            raise ConfigError(
+                "give either a CONFIG file or --resume RUN_DIR (which uses its own config.toml)"
+            )
+        resume_dir, checkpoint = resume_target(resume_dir)  # a run directory, or one of its checkpoints
+        config_path = Path(resume_dir) / "config.toml"
+        overrides = _resume_overrides(overrides, resume_dir)
+    cfg = load_config(config_path, overrides)
+    if cfg.parallel.plan == "auto":
+        if under_launcher():
+            raise ConfigError(
+                "parallel.plan = 'auto' under an outer launcher (torchrun): every rank would plan on "
+                "its own; choose the layout first (plait plan --cluster this --devices N) and pass its keys"
+            )
+        cfg, _ = resolve_auto(cfg, out=sys.stdout)
+    if cfg.ps.servers:  # servers and workers as separate processes (plait.async_training)
+        if under_launcher():
+            raise ConfigError(
+                f"ps.servers = {cfg.ps.servers}: the parameter server starts its own servers and "
+                "workers; run plait train directly, not under torchrun"
+            )
+        return launch_ps(cfg, resume=resume_dir is not None)
+    return launch(cfg, resume=resume_dir is not None, checkpoint=checkpoint)
+
+
+def _split_resume(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(--resume's argument or None, the other arguments)."""
+    resume_dir = None
+    rest = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--resume" or argv[i].startswith("--resume="):
+            if "=" in argv[i]:
+                resume_dir = argv[i].split("=", 1)[1]
+                i += 1
+            elif i + 1 < len(argv):
+                resume_dir = argv[i + 1]
+                i += 2
+            else:
+                raise ConfigError("--resume needs a run directory")
+        else:
+            rest.append(argv[i])
+            i += 1
+    return resume_dir, rest
+
+
+def _resume_overrides(overrides: list[tuple[str, str]], resume_dir) -> list[tuple[str, str]]:
+    """A resumed run's overrides: only what may change on resume, and the run directory."""
+    changed = [
+        k
+        for k, _ in overrides
+        if (k.split(".")[0] in ("model", "data", "parallel") and k not in RESHARDABLE)
+        or k in ("train.global_batch", "train.micro_batches", "train.seed")
+    ]
+    if changed:
+        raise ConfigError(
+            f"--resume continues the run as configured; {', '.join(changed)} cannot change on resume "
+            "(the checkpoint holds that model and data layout): start a new run instead. "
+            f"What may change: {', '.join(RESHARDABLE)} and the [offload] keys"
+        )
+    # A resumed run goes to the end unless told otherwise: the interruption is not part of the config.
+    return [("train.stop_at", "0"), *overrides, ("train.run_dir", str(resume_dir))]
