@@ -6,6 +6,10 @@
 `assert_runs_match` is the parity check between two runs: per step, the loss and the gradient
 norm before clipping. The gradient norm is what sees a gradient of the wrong scale that AdamW
 (invariant to a constant factor) and clipping hide from the losses.
+
+The last section holds what the parity tests of plait's tiny GPT share: `tiny_gpt`,
+`token_batches`, the optimizers `gpt_adamw` and `gpt_sgd`, and `gpt_reference`, the run on one
+process they are compared with.
 """
 
 import functools
@@ -23,7 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
+from plait.models import GPT, gpt_config
+from plait.optim import param_groups
+from plait.testing import single_process_reference
 from plait.train.metrics import read_metrics
 
 TINY = [
@@ -264,3 +272,52 @@ def cut_copy(run: Path, dst: Path, step: int = 4) -> Path:
         lines = path.read_text().splitlines(keepends=True)
         path.write_text("".join(x for x in lines if json.loads(x).get("step", 0) <= step))
     return dst
+
+
+# ==== Tiny models, data and single-process references of the parity tests ====================
+# (one definition for the test files that train plait's tiny GPT against one process; each file
+# keeps its own sizes, seeds and tolerances and passes them in)
+
+
+def tiny_gpt(seed: int = 0, **overrides) -> GPT:
+    """plait's "tiny" GPT with `overrides`, its weights drawn after seeding torch with `seed`."""
+    torch.manual_seed(seed)
+    return GPT(gpt_config("tiny", **overrides))
+
+
+def token_batches(steps: int, batch: int, seq: int, vocab: int = 256, seed: int = 3) -> list:
+    """`steps` global batches of random (inputs, targets) token ids, from one seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(0, vocab, (batch, seq), generator=g),
+            torch.randint(0, vocab, (batch, seq), generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+def gpt_adamw(groups, eps: float = 1e-5) -> torch.optim.Optimizer:
+    """The parity tests' AdamW. eps 1e-5: a coordinate whose gradient is rounding noise (the
+    attention key bias) would take full-size steps with 1e-8, in any order of summation."""
+    return torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.1, eps=eps)
+
+
+def gpt_sgd(groups) -> torch.optim.Optimizer:
+    """SGD with momentum, run without clipping: a gradient of the wrong scale changes the
+    trajectory from the first step."""
+    return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
+
+
+def gpt_reference(
+    build: Callable, make_optimizer: Callable, batches: list, clip: float = 0.0, weight_decay=0.1
+):
+    """One process, plain torch: `build()` a model taking (x, y), `make_optimizer` over its
+    `param_groups(model, weight_decay)`, one step per batch, clipping at `clip` when positive.
+    Returns `plait.testing.Reference` (losses, gradient norms before clipping, final parameters)."""
+
+    def setup():
+        model = build()
+        return model, make_optimizer(param_groups(model, weight_decay)), lambda m, batch: m(*batch)
+
+    return single_process_reference(setup, batches, len(batches), clip=clip)

@@ -10,10 +10,21 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import SGD, TINY, assert_runs_match, resume_job, side_by_side, train_job
+from conftest import (
+    SGD,
+    TINY,
+    assert_runs_match,
+    gpt_adamw,
+    gpt_reference,
+    gpt_sgd,
+    resume_job,
+    side_by_side,
+    tiny_gpt,
+    token_batches,
+    train_job,
+)
 
 from plait.layout import Layout
-from plait.models import GPT, gpt_config
 from plait.optim import param_groups
 from plait.parallelize import parallelize
 from plait.testing import (
@@ -31,41 +42,20 @@ BATCH = 8
 CFG = dict(n_head=4, vocab_size=250)  # 250 rows do not split over 4: padding must change nothing
 
 
+_adamw, _sgd = gpt_adamw, gpt_sgd
+
+
 def _model():
-    torch.manual_seed(0)
-    return GPT(gpt_config("tiny", **CFG))
-
-
-def _adamw(groups):
-    return torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.1, eps=1e-5)
-
-
-def _sgd(groups):
-    return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
+    return tiny_gpt(**CFG)
 
 
 def _batches():
-    g = torch.Generator().manual_seed(3)
-    return [
-        (torch.randint(0, 250, (BATCH, 32), generator=g), torch.randint(0, 250, (BATCH, 32), generator=g))
-        for _ in range(STEPS)
-    ]
+    return token_batches(STEPS, BATCH, 32, vocab=250)
 
 
 def _reference(sgd: bool):
-    model = _model()
-    opt = (_sgd if sgd else _adamw)(param_groups(model, 0.1))
-    losses, norms = [], []
-    for x, y in _batches():
-        loss = model(x, y)
-        loss.backward()
-        norms.append(grad_norm(model.parameters()))
-        if not sgd:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, norms, state_of(model)
+    ref = gpt_reference(_model, _sgd if sgd else _adamw, _batches(), clip=0.0 if sgd else 0.5)
+    return ref.losses, ref.grad_norms, ref.params
 
 
 def _hook(name: str | None):

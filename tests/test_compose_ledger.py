@@ -31,9 +31,10 @@ the ledger and static facts (flat layouts, placements).
 
 import pytest
 import torch
+from conftest import gpt_adamw, tiny_gpt
 
 from plait.layout import Layout
-from plait.models import GPT, gpt_config
+from plait.models import gpt_config
 from plait.optim import param_groups
 from plait.parallelize import parallelize
 from plait.testing import run_ranks
@@ -50,12 +51,10 @@ def _cfg(n_layer: int = 2):
 
 
 def _model(n_layer: int = 2):
-    torch.manual_seed(0)
-    return GPT(_cfg(n_layer))
+    return tiny_gpt(n_layer=n_layer, **CFG)
 
 
-def _adamw(groups):
-    return torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.1, eps=1e-5)
+_adamw = gpt_adamw
 
 
 def _my_rows(mesh):

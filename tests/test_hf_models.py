@@ -15,17 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 import transformers  # noqa: F401  (installed by the test command, make test: a missing one fails, never skips)
-from conftest import TINY, plait_train, plait_train_all
+from conftest import TINY, gpt_reference, plait_train, plait_train_all
 
 from plait.errors import ConfigError
-from plait.optim import build_optimizer, param_groups
+from plait.optim import build_optimizer
 from plait.testing import (
     assert_close_grad_norms,
     assert_close_losses,
     assert_close_params,
-    grad_norm,
     run_ranks,
-    state_of,
 )
 from plait.train.config import Config, validate
 
@@ -92,19 +90,11 @@ def _optimizer(cfg, groups):
 
 def _reference(cfg):
     """One process, plain torch: the model, its loss, torch's clipping, the same optimizer."""
-    model = _build(cfg)
-    opt = _optimizer(cfg, param_groups(model, cfg.train.weight_decay))
-    losses, norms = [], []
-    for x, y in _batches():
-        loss = model(x, y)
-        loss.backward()
-        norms.append(grad_norm(model.parameters()))
-        if cfg.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "grad_norms": norms, "params": state_of(model)}
+    t = cfg.train
+    ref = gpt_reference(
+        lambda: _build(cfg), functools.partial(_optimizer, cfg), _batches(), t.grad_clip, t.weight_decay
+    )
+    return {"losses": ref.losses, "grad_norms": ref.grad_norms, "params": ref.params}
 
 
 def _train(cfg):

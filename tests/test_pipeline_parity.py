@@ -4,9 +4,11 @@ Losses and gradients within 1e-6 of single-process training on the same model, d
 parameters after three optimizer steps within 1e-5."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
+from conftest import gpt_adamw, tiny_gpt, token_batches
 
 from plait.engine import Engine, RecordsTimeline
 from plait.errors import ConfigError, PipelineError
@@ -30,20 +32,14 @@ CFG = dict(n_layer=8, d_model=32, n_head=2, seq_len=SEQ)
 
 
 def _model():
-    torch.manual_seed(0)
-    return GPT(gpt_config("tiny", **CFG))
+    return tiny_gpt(**CFG)
 
 
-def _opt(groups):
-    return torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.1)
+_opt = functools.partial(gpt_adamw, eps=1e-8)  # AdamW's own eps
 
 
 def _batches():
-    g = torch.Generator().manual_seed(3)
-    return [
-        (torch.randint(0, 256, (BATCH, SEQ), generator=g), torch.randint(0, 256, (BATCH, SEQ), generator=g))
-        for _ in range(STEPS)
-    ]
+    return token_batches(STEPS, BATCH, SEQ)
 
 
 def _reference():

@@ -3,6 +3,7 @@ backward, in one process."""
 
 import pytest
 import torch
+from conftest import tiny_gpt
 from torch import nn
 
 from plait.errors import PipelineError
@@ -13,8 +14,7 @@ from plait.pipeline.wgrad import DeferredLinears, WeightGradStore
 
 
 def _gpt(n_layer=4):
-    torch.manual_seed(0)
-    return GPT(gpt_config("tiny", n_layer=n_layer))
+    return tiny_gpt(n_layer=n_layer)
 
 
 def _data():

@@ -4,6 +4,7 @@ sequence parallelism), the ledger per transformer layer, RNG streams, bad input.
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import gpt_adamw, gpt_reference, gpt_sgd, tiny_gpt, token_batches
 
 from plait.errors import ConfigError
 from plait.models import GPT, gpt_config
@@ -27,43 +28,21 @@ BATCH = 8
 CFG = dict(n_head=4, vocab_size=250)
 
 
+_opt, _sgd = gpt_adamw, gpt_sgd  # SGD without clipping: a wrong gradient scale shows at once
+
+
 def _model():
-    torch.manual_seed(0)
-    return GPT(gpt_config("tiny", **CFG))
-
-
-def _opt(groups):
-    return torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.1, eps=1e-5)
-
-
-def _sgd(groups):
-    """Without clipping: a gradient of the wrong scale changes the trajectory at once."""
-    return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
+    return tiny_gpt(**CFG)
 
 
 def _batches():
-    g = torch.Generator().manual_seed(3)
-    return [
-        (torch.randint(0, 250, (BATCH, 32), generator=g), torch.randint(0, 250, (BATCH, 32), generator=g))
-        for _ in range(STEPS)
-    ]
+    return token_batches(STEPS, BATCH, 32, vocab=250)
 
 
 def _reference(sgd=False):
     """Losses, gradient norms before clipping, final parameters (SGD: no clipping)."""
-    model = _model()
-    opt = (_sgd if sgd else _opt)(param_groups(model, 0.1))
-    losses, norms = [], []
-    for x, y in _batches():
-        loss = model(x, y)
-        loss.backward()
-        norms.append(grad_norm(model.parameters()))
-        if not sgd:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, norms, state_of(model)
+    ref = gpt_reference(_model, _sgd if sgd else _opt, _batches(), clip=0.0 if sgd else 0.5)
+    return ref.losses, ref.grad_norms, ref.params
 
 
 def _train(dp, tp, sp, sgd=False):

@@ -7,11 +7,11 @@ process compares each with a single-process reference of the same model, data an
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import gpt_adamw, gpt_sgd, tiny_gpt, token_batches
 from torch import nn
 
 from plait.engine import Engine, ErrorFeedback
 from plait.errors import ConfigError
-from plait.models import GPT, gpt_config
 from plait.optim import LAMB, allreduce_norms, param_groups
 from plait.testing import (
     assert_close_grad_norms,
@@ -38,8 +38,7 @@ SGD_CLIP = 0.3
 
 
 def _gpt() -> nn.Module:
-    torch.manual_seed(0)
-    return GPT(gpt_config("tiny"))
+    return tiny_gpt()
 
 
 def _mlp() -> nn.Module:
@@ -54,10 +53,7 @@ def _batches(kind: str, steps: int = STEPS):
             (torch.randn(BATCH, 32, generator=g), torch.randint(0, 256, (BATCH,), generator=g))
             for _ in range(steps)
         ]
-    return [
-        (torch.randint(0, 256, (BATCH, 32), generator=g), torch.randint(0, 256, (BATCH, 32), generator=g))
-        for _ in range(steps)
-    ]
+    return token_batches(steps, BATCH, 32, seed=7)
 
 
 def _loss(model, kind, x, y):
@@ -67,11 +63,10 @@ def _loss(model, kind, x, y):
 
 
 def _adamw(groups):
-    return torch.optim.AdamW(groups, lr=LR, weight_decay=0.1, eps=EPS)
+    return gpt_adamw(groups, eps=EPS)  # (lr 3e-3 = LR)
 
 
-def _sgd(groups):
-    return torch.optim.SGD(groups, lr=SGD_LR, momentum=0.9)
+_sgd = gpt_sgd  # (lr 0.5 = SGD_LR)
 
 
 def _reference(kind="gpt", opt="adamw", delayed=False, recompute=False):
