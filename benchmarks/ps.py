@@ -11,7 +11,7 @@ What is measured (each setup one `plait train` run on this machine's CPU, one th
   AdamW (the trainer's), so bsp computes what `dp` computes.
 * **The slow worker.** Worker (rank) 1 sleeps, every clock, as long as one clock of computation
   takes (measured first from a short bsp run: the median step time of the workers), so it is
-  about 2x slower than the others (`plait.async_training.ps_worker.slow_hook`, the same hook on a
+  about 2x slower than the others (`plait.testing.slow_hook`, the same hook on a
   dp rank).
 * **Figures.** Wall time from the first step to the first held-out evaluation at or below the
   target loss (worker 0 evaluates the parameters it pulled every `--eval-every` clocks; dp its
@@ -102,7 +102,7 @@ def main() -> None:
         )
         compute = statistics.median(r["step_time_s"] for r in probe[2:])
         slow = {
-            "PLAIT_STEP_HOOK": "plait.async_training.ps_worker:slow_hook",
+            "PLAIT_STEP_HOOK": "plait.testing:slow_hook",
             "PLAIT_PS_SLOW": f"1:{compute:.4f}",
         }
         results = {}

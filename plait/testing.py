@@ -11,149 +11,17 @@ still cost a fraction of a second per call.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import errno
-import gc
-import json
 import math
-import multiprocessing as mp
 import os
-import pickle
 import signal
-import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from plait.comm.ports import free_port
-from plait.comm.recorder import write_error_file
+from plait.comm.spawn import RankFailure, run_ranks  # noqa: F401  (the tests' launcher)
 from plait.zero import offload_disk
-
-
-class RankFailure(AssertionError):
-    """One or more ranks failed; `failures` maps rank -> its traceback or report."""
-
-    def __init__(self, message: str, failures: dict[int, str], exitcodes: dict[int, int | None]):
-        super().__init__(message)
-        self.failures = failures
-        self.exitcodes = exitcodes
-
-
-def _child(fn: Callable, rank: int, world_size: int, port: int, workdir: str, args: tuple, env: dict) -> None:
-    os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        TORCHELASTIC_ERROR_FILE=os.path.join(workdir, f"error-{rank}.json"),
-    )
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-        result = fn(*args)
-        with open(os.path.join(workdir, f"result-{rank}.pkl"), "wb") as fh:
-            pickle.dump(result, fh)
-        del result
-        gc.collect()  # free wrappers (DDP, FSDP) holding the group before it is destroyed
-        dist.barrier()  # leave together: a peer tearing down gloo under a live one can abort it
-        dist.destroy_process_group()
-    except BaseException as exc:
-        write_error_file(f"{type(exc).__name__}: {exc}", traceback.format_exc())
-        os._exit(1)  # skip atexit hooks that could block on a dead peer
-    # The result is on disk. Skip the interpreter's teardown: destructors of torch's C++ threads
-    # at exit were seen (rarely) to abort a finished rank with "terminate called without an
-    # active exception".
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _failure_text(workdir: Path, rank: int, exitcode: int | None) -> str:
-    path = workdir / f"error-{rank}.json"
-    if path.exists():
-        try:
-            info = json.loads(path.read_text())["message"]
-            return info["extraInfo"].get("py_callstack") or info["message"]
-        except (ValueError, KeyError):
-            pass
-    return f"exited with code {exitcode} and left no traceback"
-
-
-def run_ranks(
-    fn: Callable,
-    world_size: int,
-    args: Iterable = (),
-    timeout: float = 120.0,
-    env: dict[str, str] | None = None,
-    grace: float = 2.0,
-) -> list:
-    """Run `fn(*args)` on `world_size` gloo ranks (processes); return each rank's result.
-
-    `fn` must be importable (defined at module level). Raises `RankFailure` naming every rank
-    that failed, with its traceback, as soon as one fails (after `grace` seconds for the others
-    to report their own errors), or when `timeout` seconds pass.
-    """
-    # Ranks fork from a server that imported torch and plait once (spawn would import them in
-    # every rank: seconds per call); each gets this process's environment of now.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "plait"])
-    env = {**os.environ, **(env or {})}
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="plait-ranks-") as tmp:
-        workdir = Path(tmp)
-        procs = [
-            ctx.Process(target=_child, args=(fn, r, world_size, port, tmp, tuple(args), env))
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        first_failure = None
-        while any(p.is_alive() for p in procs):
-            now = time.monotonic()
-            if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
-                first_failure = now
-            if now > deadline or (first_failure is not None and now - first_failure > grace):
-                break
-            time.sleep(0.05)
-        timed_out = any(p.is_alive() for p in procs) and first_failure is None
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        codes = {r: p.exitcode for r, p in enumerate(procs)}
-        failures = {}
-        for r, code in codes.items():
-            reported = (workdir / f"error-{r}.json").exists()
-            if code != 0 and (reported or code != -9):  # -9 without a report: killed by us
-                failures[r] = _failure_text(workdir, r, code)
-        if timed_out or failures or any(c != 0 for c in codes.values()):
-            head = f"timed out after {timeout:g}s" if timed_out else "ranks failed"
-            parts = [
-                f"--- rank {r} (exit code {codes[r]}) ---\n{text}" for r, text in sorted(failures.items())
-            ]
-            killed = [r for r, c in codes.items() if c == -9 and r not in failures]
-            if killed:
-                parts.append(f"(ranks {killed} were killed after the failure)")
-            raise RankFailure(
-                f"run_ranks({getattr(fn, '__name__', fn)}, {world_size}): {head}\n" + "\n".join(parts),
-                failures,
-                codes,
-            )
-        results = []
-        for r in range(world_size):
-            with open(workdir / f"result-{r}.pkl", "rb") as fh:
-                results.append(pickle.load(fh))
-        return results
-
 
 # --- parity helpers ---------------------------------------------------------------------------
 
@@ -334,3 +202,15 @@ def _fill_disk() -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     offload_disk._write_file = full
+
+
+def slow_hook(step: int, rank: int, cfg, engine=None) -> None:
+    """A step hook (PLAIT_STEP_HOOK=plait.testing:slow_hook) for tests and the
+    benchmark: PLAIT_PS_SLOW=WORKER:SECONDS makes that worker sleep this long every clock, and
+    PLAIT_FAIL_AT (`inject_fault`) still applies."""
+    spec = os.environ.get("PLAIT_PS_SLOW")
+    if spec:
+        w, seconds = spec.split(":")
+        if int(w) == rank:
+            time.sleep(float(seconds))
+    inject_fault(step, rank, cfg, engine)

@@ -31,7 +31,7 @@ from plait.cli import main
 
 DP2 = [*TINY, "--parallel.dp", "2", "--train.sample_tokens", "0"]
 ADAGRAD = ["--ps.server_optimizer", "adagrad", "--train.lr", "0.01"]  # Downpour's choice
-SLOW = {"PLAIT_STEP_HOOK": "plait.async_training.ps_worker:slow_hook"}
+SLOW = {"PLAIT_STEP_HOOK": "plait.testing:slow_hook"}
 
 
 def _ps(servers, consistency, *extra):

@@ -62,20 +62,6 @@ def _cut_push_at() -> tuple[int, int] | None:
     return int(w), int(c)
 
 
-def slow_hook(step: int, rank: int, cfg, engine=None) -> None:
-    """A step hook (PLAIT_STEP_HOOK=plait.async_training.ps_worker:slow_hook) for tests and the
-    benchmark: PLAIT_PS_SLOW=WORKER:SECONDS makes that worker sleep this long every clock, and
-    PLAIT_FAIL_AT (plait.testing.inject_fault) still applies."""
-    from plait.testing import inject_fault  # lazy: production code does not import plait.testing
-
-    spec = os.environ.get("PLAIT_PS_SLOW")
-    if spec:
-        w, seconds = spec.split(":")
-        if int(w) == rank:
-            time.sleep(float(seconds))
-    inject_fault(step, rank, cfg, engine)
-
-
 def work(cfg, w: int, store, run_dir: Path, start: int, device: torch.device) -> None:
     """Run worker `w`'s clocks start+1 .. last (train.stop_at or train.steps)."""
     t = cfg.train

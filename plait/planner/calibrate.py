@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 
 from plait.comm.ledger import bus_bytes
+from plait.comm.spawn import run_ranks
 from plait.errors import ConfigError
 from plait.planner import probes
 from plait.planner.cluster_file import read_calibration_key, read_cluster_file
-from plait.testing import run_ranks
 from plait.train.peak import _cpu_model
 
 CALIBRATION_VERSION = 3
