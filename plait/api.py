@@ -30,8 +30,9 @@ from torch import nn
 
 from plait import zero
 from plait.errors import ConfigError
-from plait.layout import Layout
+from plait.layout import Job, Layout
 from plait.mesh import Mesh, backend_for, default_device, init_distributed
+from plait.moe.layer import MoE
 from plait.parallel_model import ParallelModel
 from plait.parallelize import parallelize as parallelize_part
 
@@ -268,10 +269,6 @@ def _layout(mesh: Mesh, s: dict) -> Layout:
 
 def _wrap(model, factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks, groups, clip, sched, seed, owns):
     """`plait.parallelize.parallelize` on the user's model, and the ParallelModel over its engine."""
-    if s["tp"] == 1 and (s["sequence_parallel"] or tp_plan is not None or layout_rules is not None):
-        raise ConfigError("parallelize: sequence_parallel, tp_plan and layout_rules need tp > 1")
-    if s["zero_stage"] == 0 and (s["mixed_precision"] not in (None, "fp32") or s["hybrid_shard"]):
-        raise ConfigError("parallelize: mixed_precision and hybrid_shard need zero_stage >= 1")
 
     def part_groups(part):  # the user's groups, restricted to the part a pipeline rank holds
         held = {id(q) for q in part.parameters()}
@@ -287,5 +284,9 @@ def _wrap(model, factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks, group
         rules=layout_rules,
         seed=seed,
         blocks=blocks,
+        job=Job(
+            api=True,
+            experts=max((m.experts.experts for m in model.modules() if isinstance(m, MoE)), default=0),
+        ),
     )
     return ParallelModel(engine, mesh, model, loss_fn=loss_fn, grad_clip=clip, scheduler=sched, owns=owns)

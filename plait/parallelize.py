@@ -30,7 +30,7 @@ from torch import nn
 from plait import zero
 from plait.engine import Engine
 from plait.errors import ConfigError
-from plait.layout import Layout
+from plait.layout import Job, Layout, check
 from plait.mesh import Mesh
 from plait.moe.parallel import apply_ep
 from plait.pipeline.engine import PipelineEngine, cut_pipeline
@@ -55,6 +55,7 @@ def parallelize(
     split: str = "uniform",
     stages: list[nn.Module] | None = None,
     allow_unused: bool = False,
+    job: Job | None = None,
 ) -> Engine:
     """Parallelize `model` (built whole and identically on every rank) for `layout` on `mesh`,
     and build its optimizer; returns the engine (plait.engine's contract).
@@ -74,7 +75,12 @@ def parallelize(
         split, stages: how the pipeline cuts the model ("uniform", "params", a cost function),
             or the stage modules themselves (plait.pipeline.engine.cut_pipeline).
         allow_unused: parameters that get no gradient are reduced as zeros.
+        job: what the job adds that the table of combinations reads (plait.layout.Job); given,
+            the layout is checked against the table first (the custom-loop API's way in;
+            `plait train` checked its config before any process started).
     """
+    if job is not None:
+        check(layout, job)
     if layout.sizes != mesh.sizes:
         raise ConfigError(f"parallelize: the layout is {layout.describe()} but the mesh is {mesh.shape_str}")
     model.to(mesh.device)

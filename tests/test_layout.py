@@ -132,5 +132,26 @@ def test_planner_enumeration_reads_the_table():
     every = list(enumerate_layouts(model, 16, 4, cpu, dropout=0.1))
     assert every and all(refusal(as_layout(lay), Job(dropout=0.1)) is None for lay in every)
     assert not [lay for lay in every if lay.tp > 1 and lay.recompute]  # tp x dropout x recompute
-    assert not [lay for lay in every if lay.pp > 1 and lay.offload != "none"]  # pp x offload
+    assert [lay for lay in every if lay.pp > 1 and lay.offload != "none"]  # pp x offload: supported
     assert [lay for lay in every if lay.offload == "cpu"] and [lay for lay in every if lay.tp > 1]
+
+
+def test_plait_layouts_prints_the_table():
+    """`plait layouts` is the same table as text and as JSON (one row per combination)."""
+    import contextlib
+    import io
+    import json
+
+    from plait.cli import main
+    from plait.combinations import COMBINATIONS, describe_table
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["layouts"]) == 0
+    assert out.getvalue().strip() == describe_table().strip()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["layouts", "--json"]) == 0
+    rows = json.loads(out.getvalue())["rows"]
+    assert [r["id"] for r in rows] == [r.id for r in COMBINATIONS]
+    assert {r["id"] for r in rows} >= {"pp-offload", "api-pp", "api-ep", "pp-zero3-delayed"}

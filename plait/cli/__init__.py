@@ -8,6 +8,7 @@ plait schedule --kind KIND --stages P --microbatches M [--virtual-stages V] [--c
 plait launch [--nproc N] SCRIPT.py [ARGS ...]
 plait plan [CONFIG] [--section.key value ...] --devices N [--cluster NAME|FILE|this] [--top K] [--json]
 plait plan --calibrate [--devices N ...]
+plait layouts [--json]
 plait hogwild [--workers N] [--updates U] [--batch B] [--lock] [--optimizer adagrad|sgd] [--lr LR]
               [--features F] [--out DIR] [--json]
 
@@ -35,6 +36,7 @@ COMMANDS = {
     "plan": "plait.cli.plan",
     "hogwild": "plait.cli.hogwild",
     "launch": "plait.cli.launch",
+    "layouts": "plait.cli.layouts",
 }
 
 HELP = (
@@ -43,7 +45,8 @@ HELP = (
     "schedule: simulate a pipeline schedule (plait schedule --help); "
     "plan: choose the layout for N devices (plait plan --help); "
     "hogwild: lock-free SGD on shared memory (plait hogwild --help); "
-    "launch: run your own script on N ranks, like torchrun (plait launch --help)"
+    "launch: run your own script on N ranks, like torchrun (plait launch --help); "
+    "layouts: which features combine, and why the others are refused"
 )
 
 
