@@ -331,8 +331,7 @@ SUPPORTED += [
     _yes("api-ep", {"api", "ep", "moe"}, "expert parallelism in a custom loop, with ZeRO and pp",
          ("ep", "zero_stage"), '`plait.parallelize(model, factory, {"ep": 2})`', CUSTOM_LOOP),
 ]  # fmt: skip
-COMBINATIONS: tuple[Rule, ...] = (*REFUSED, *SUPPORTED)
-"""The table: the refused rows in the order they are checked, then the supported ones."""
+COMBINATIONS: tuple[Rule, ...] = (*REFUSED, *SUPPORTED)  # the refused rows in check order, then the supported
 assert len({r.id for r in COMBINATIONS}) == len(COMBINATIONS), "row ids name one row each"
 
 
