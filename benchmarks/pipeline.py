@@ -167,8 +167,8 @@ def placement(kind: str, rank: int) -> tuple[int, ...]:
 
 
 def plait_setup(kind: str, mesh, tokens: int):
+    from plait.apply import parallelize
     from plait.layout import Layout
-    from plait.parallelize import parallelize
 
     v = PLAIT[kind][0]
     engine = parallelize(

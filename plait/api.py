@@ -7,7 +7,7 @@ of Hugging Face Accelerate).
         engine.step()
     engine.save("ckpt")                                # DCP; loads at any number of ranks
 
-It calls the one parallelize path, `plait.parallelize.parallelize`, as `plait train` does
+It calls the one parallelize path, `plait.apply.parallelize`, as `plait train` does
 (docs/compose.md): expert parallel -> tensor parallel from the user's layout rules -> the
 pipeline cut -> activation checkpointing of the user's blocks -> data parallel or ZeRO 1-3 ->
 the optimizer, built by the user's factory after wrapping. Checkpoints go through
@@ -29,12 +29,12 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import zero
+from plait.apply import parallelize as parallelize_part
 from plait.errors import ConfigError
 from plait.layout import Job, Layout
 from plait.mesh import Mesh, backend_for, default_device, init_distributed
 from plait.moe.layer import MoE
 from plait.parallel_model import ParallelModel
-from plait.parallelize import parallelize as parallelize_part
 
 # The keys `mesh_or_config` may hold, with their defaults (dp = None: every rank not used by tp).
 KEYS: dict[str, Any] = {
@@ -268,7 +268,7 @@ def _layout(mesh: Mesh, s: dict) -> Layout:
 
 
 def _wrap(model, factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks, groups, clip, sched, seed, owns):
-    """`plait.parallelize.parallelize` on the user's model, and the ParallelModel over its engine."""
+    """`plait.apply.parallelize` on the user's model, and the ParallelModel over its engine."""
 
     def part_groups(part):  # the user's groups, restricted to the part a pipeline rank holds
         held = {id(q) for q in part.parameters()}

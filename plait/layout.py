@@ -1,7 +1,7 @@
 """`Layout`: how one training job is split over its processes, in one record.
 
 The degrees (pp, dp = dp_replicate x dp_shard, ep, tp), the ZeRO stage, sequence parallelism,
-the pipeline schedule, gradient compression and offload: everything `plait.parallelize.parallelize`
+the pipeline schedule, gradient compression and offload: everything `plait.apply.parallelize`
 needs to turn a model part into an engine, and everything the planner enumerates. What can be
 derived from the degrees is derived here (the axes the batch is split over, the axis ZeRO shards
 over, a pipeline's micro-batches), never stored twice.

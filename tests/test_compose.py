@@ -24,9 +24,9 @@ from conftest import (
     train_job,
 )
 
+from plait.apply import parallelize
 from plait.layout import Layout
 from plait.optim import param_groups
-from plait.parallelize import parallelize
 from plait.testing import (
     assert_clipped,
     assert_close_grad_norms,

@@ -33,10 +33,10 @@ import pytest
 import torch
 from conftest import gpt_adamw, tiny_gpt
 
+from plait.apply import parallelize
 from plait.layout import Layout
 from plait.models import gpt_config
 from plait.optim import param_groups
-from plait.parallelize import parallelize
 from plait.testing import run_ranks
 
 ROWS, SEQ = 4, 32  # sequences per data-parallel rank per step, and their length

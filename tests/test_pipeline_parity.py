@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import gpt_adamw, tiny_gpt, token_batches
 
+from plait.apply import parallelize
 from plait.engine import Engine, RecordsTimeline
 from plait.errors import ConfigError, PipelineError
 from plait.layout import Layout
 from plait.models import GPT, gpt_config
 from plait.optim import param_groups
-from plait.parallelize import parallelize
 from plait.testing import (
     assert_clipped,
     assert_close_grad_norms,

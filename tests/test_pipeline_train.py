@@ -77,8 +77,8 @@ def test_pipelined_checkpoint_resumes(runs):
         ({"parallel": {"pp": 2, "schedule": "interleaved"}, "model": {"n_layer": 2}}, "not divisible into"),
         ({"parallel": {"pp": 3}, "model": {"n_layer": 4}}, "not divisible into"),
         (
-            {"parallel": {"pp": 2, "zero_stage": 1}, "offload": {"optimizer": "cpu"}},
-            "offload.optimizer = 'cpu' is not available",
+            {"parallel": {"pp": 2, "zero_stage": 3}, "offload": {"optimizer": "cpu", "delayed_update": True}},
+            "parallel.zero_stage = 3 and offload.delayed_update is not available",
         ),
         ({"parallel": {"pp": 2}, "train": {"micro_batches": 2}}, "parallel.microbatches instead"),
     ],

@@ -2,7 +2,7 @@
 that can be cut into stages, behind the engine contract.
 
 `cut_pipeline` cuts the model into ``pp x virtual_stages`` stages (plait.pipeline.stage) and keeps
-this rank's; `plait.parallelize.parallelize` then builds the engine of that part (data parallel or
+this rank's; `plait.apply.parallelize` then builds the engine of that part (data parallel or
 ZeRO 1-3 with the "manual" trigger, and the optimizer), and `PipelineEngine` runs the configured
 schedule (plait.pipeline.runtime) over it. What the pipeline itself adds to make the gradients
 those of single-process training:

@@ -15,12 +15,12 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.apply import parallelize
 from plait.layout import Layout
 from plait.mesh import Mesh
 from plait.models import GPT
 from plait.models.flops import gpt_train_flops_per_token
 from plait.models.gpt import GPTConfig
-from plait.parallelize import parallelize
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 4 * 2**20, 16 * 2**20)

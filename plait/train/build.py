@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from plait.apply import parallelize
 from plait.comm.compress import make_compressor
 from plait.engine import Engine
 from plait.layout import Layout
@@ -15,7 +16,6 @@ from plait.mesh import Mesh
 from plait.optim import allreduce_norms, param_groups
 from plait.optim import build_optimizer as make_optimizer
 from plait.optim.onebit_adam import MomentumHook, OneBitAdam
-from plait.parallelize import parallelize
 from plait.train.config import Config
 
 
@@ -25,7 +25,7 @@ def micro_batches_per_step(cfg: Config) -> int:
 
 
 def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -> Engine:
-    """The engine of `plait train`: `plait.parallelize.parallelize` on the configured layout, with
+    """The engine of `plait train`: `plait.apply.parallelize` on the configured layout, with
     the configured optimizer and gradient compression. Weight decay (and LAMB/LARS's trust ratio)
     on matrices only; sharded LAMB/LARS reduce their per-layer norms over the shard axis, so each
     shard sees its whole layer's norms."""

@@ -180,6 +180,9 @@ def _check_values(stage: int, optimizer, precision: str, offload: str) -> tuple[
         )
     if offload not in OFFLOADS:
         raise ConfigError(f"offload = {offload!r} is not valid; valid: {', '.join(OFFLOADS)}")
+    if stage == 0 and (precision != "fp32" or offload != "none"):  # the table's bf16-zero0, offload-zero0
+        raise ConfigError("zero_stage = 0 (plain data parallel) takes no mixed_precision policy or offload; "
+                          "use zero_stage >= 1")  # fmt: skip
     return precision, offload
 
 

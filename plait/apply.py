@@ -1,4 +1,5 @@
-"""`parallelize(model, layout, mesh, optimizer)`: the one path from a layout to an engine.
+"""`plait.apply.parallelize(model, layout, mesh, optimizer)`: the one path from a layout to an engine
+(the module is not named after the function: `plait.parallelize` is the custom-loop API).
 
 `plait train` (plait.train.build), the custom-loop API (`plait.parallelize` in plait.api) and the
 planner's probes all call this function; nothing else builds an engine. The order is fixed:
