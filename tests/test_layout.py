@@ -155,3 +155,103 @@ def test_plait_layouts_prints_the_table():
     rows = json.loads(out.getvalue())["rows"]
     assert [r["id"] for r in rows] == [r.id for r in COMBINATIONS]
     assert {r["id"] for r in rows} >= {"pp-offload", "api-pp", "api-ep", "pp-zero3-delayed"}
+
+
+# --- run-time guards: a technique used directly raises the table's row, never its own text ---
+
+GUARDED = {  # row: where a technique used directly refuses it (the rest are refused before start only)
+    "bf16-zero0": "plait/zero/__init__.py",
+    "offload-zero0": "plait/zero/__init__.py",
+    "delayed-no-offload": "plait/zero/sharded.py",
+    "compression-bf16": "plait/zero/engine.py",
+    "ep-hybrid": "plait/zero/engine.py",
+    "1-bit-adam-zero3": "plait/zero/shard.py",
+    "zero3-compression-tp": "plait/zero/shard.py",
+    "1-bit-adam-hybrid": "plait/optim/onebit_adam.py",
+    "ep-dense": "plait/moe/parallel.py",
+    "disk-lamb/lars": "plait/zero/offload_disk.py",
+}
+
+
+def _refuse_calls() -> dict[str, list[str]]:
+    """Each `refuse("<row>", ...)` call in plait, by row: the files that raise it."""
+    calls: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "plait").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "refuse" and node.args:
+                calls.setdefault(node.args[0].value, []).append(str(path.relative_to(ROOT)))
+    return calls
+
+
+def test_run_time_guards_name_rows_of_the_table():
+    calls = _refuse_calls()
+    assert {row: files[0] for row, files in calls.items()} == GUARDED
+    assert all(len(files) == 1 for files in calls.values()), calls  # each refusal is written once
+    refused = {r.id: r for r in REFUSED}
+    assert set(GUARDED) <= set(refused)
+    # no technique module words a refused row's reason itself
+    for path in sorted((ROOT / "plait").rglob("*.py")):
+        if "combinations" in path.parts:
+            continue
+        text = " ".join(path.read_text().split())
+        for rule in REFUSED:
+            assert rule.reason not in text, (rule.id, path)
+
+
+def _guards():
+    """Meet each guarded row with a technique called directly; (row, error type, message) each."""
+    import torch
+
+    from plait import zero
+    from plait.comm.compress import FP16Compressor, OneBitCompressor
+    from plait.mesh import Mesh
+    from plait.moe.parallel import apply_ep
+    from plait.optim.onebit_adam import MomentumHook, OneBitAdam
+    from tests.conftest import tiny_gpt
+
+    def adamw(groups):
+        return torch.optim.AdamW(groups, lr=1e-3)
+
+    dp4, dp_tp = Mesh(dp=4, watchdog=False), Mesh(dp=2, tp=2, watchdog=False)
+    hybrid, dp_ep = Mesh(dp=4, dp_shard=2, watchdog=False), Mesh(dp=2, ep=2, dp_shard=1, watchdog=False)
+    hook = MomentumHook(OneBitCompressor(), 10)
+    attempts = {
+        "bf16-zero0": lambda: zero.wrap(tiny_gpt(), dp4, 0, adamw, mixed_precision="bf16"),
+        "offload-zero0": lambda: zero.wrap(tiny_gpt(), dp4, 0, adamw, offload="cpu"),
+        "delayed-no-offload": lambda: zero.wrap(tiny_gpt(), dp4, 2, adamw, delayed_update=True),
+        "compression-bf16": lambda: zero.wrap(
+            tiny_gpt(), dp4, 2, adamw, mixed_precision="bf16", comm_hook=FP16Compressor()
+        ),
+        "1-bit-adam-zero3": lambda: zero.wrap(tiny_gpt(), dp4, 3, adamw, comm_hook=hook),
+        "zero3-compression-tp": lambda: zero.wrap(tiny_gpt(), dp_tp, 3, adamw, comm_hook=FP16Compressor()),
+        "1-bit-adam-hybrid": lambda: zero.wrap(
+            tiny_gpt(), hybrid, 2, lambda g: OneBitAdam(g, hook, hybrid), hybrid_shard=2, comm_hook=hook
+        ),
+        "ep-hybrid": lambda: zero.wrap(
+            tiny_gpt(experts=4), dp_ep, 1, adamw, hybrid_shard=1, data_axes=("dp", "ep")
+        ),
+        "ep-dense": lambda: apply_ep(tiny_gpt(), dp_ep),
+    }
+    out = []
+    for row, attempt in attempts.items():
+        try:
+            attempt()
+            out.append((row, None, "no error"))
+        except Exception as exc:  # noqa: BLE001 - the test reads which error and its text
+            out.append((row, type(exc).__name__, str(exc)))
+    return out
+
+
+def test_techniques_used_directly_raise_the_rows_message():
+    from plait.comm.spawn import run_ranks
+
+    refused = {r.id: r for r in REFUSED}
+    results = run_ranks(_guards, 4, timeout=180)
+    for rank_result in results:
+        # disk-lamb/lars: tests/test_zero_offload_disk.py::test_bad_arguments (one process)
+        assert sorted(row for row, _, _ in rank_result) == sorted(set(GUARDED) - {"disk-lamb/lars"})
+        for row, kind, message in rank_result:
+            rule = refused[row]
+            assert kind == "ConfigError", (row, kind, message)
+            assert rule.reason in message and rule.fix.split("{")[0] in message, (row, message)
+            assert "\n" not in message and "{" not in message, (row, message)

@@ -283,7 +283,7 @@ def check_source(cfg, n_stages: int) -> None:
     the module's output on (1, seq_len) ids, a plan for tp > 1 and a split into `n_stages`
     pipeline stages for pp > 1. Each problem is one ConfigError naming the key. (The features of
     plait's GPT a factory's model cannot take are rules of the combination table:
-    `plait.models.source.SOURCE_LIMITS`, read by plait.layout.)"""
+    `plait.combinations.SOURCE_LIMITS`, read by plait.layout.)"""
     spec, p = cfg.model.source, cfg.parallel
     args = model_args(cfg)
     try:

@@ -9,8 +9,8 @@
 `validate_source` is called by `plait.train.config.validate`, in the launching process: it refuses
 an unknown source, a missing transformers, keys that do not apply to the source, heads (and
 key/value heads) that do not divide tp, and a weights directory that is missing or does not fit
-the model. Which of plait's features a source cannot take is data, `SOURCE_LIMITS`: rules of the
-combination table that plait.layout checks with the others.
+the model. Which of plait's features a source cannot take is data in the table of combinations
+(`plait.combinations.SOURCE_LIMITS`), which plait.layout checks with the other rows.
 """
 
 from __future__ import annotations
@@ -33,29 +33,6 @@ SOURCES = ("plait", *HF_SOURCES, "python:PKG.MODULE:FUNC")
 def source_kind(source: str) -> str:
     """'plait', 'hf' or 'python': the kind of a model.source (the combination table's feature)."""
     return source.partition(":")[0] if source.startswith(("hf:", "python:")) else "plait"
-
-
-# What each kind of source cannot take: (feature of the combination table, key, the value the
-# source takes). The table's rows for these are made from this record (plait.combinations).
-SOURCE_LIMITS = {
-    "hf": {
-        "what": "{key} = {value!r} does not apply to model.source = {source!r}",
-        "reason": "hf models are dense, trained without dropout, outside the parameter server",
-        "fix": "set {key} = {default!r}",
-        "limits": (
-            ("moe", "model.experts", 0),
-            ("dropout", "model.dropout", 0.0),
-            ("ep", "parallel.ep", 1),
-            ("ps", "ps.servers", 0),
-        ),
-    },
-    "python": {
-        "what": "model.source = {source!r} with {key} = {value!r} is not available",
-        "reason": "it is a feature of plait's own GPT, which a factory's model is not",
-        "fix": "set {key} = {default!r}, or model.source = 'plait'",
-        "limits": (("moe", "model.experts", 0), ("ep", "parallel.ep", 1), ("ps", "ps.servers", 0)),
-    },
-}
 
 
 def is_hf(cfg) -> bool:

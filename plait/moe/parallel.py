@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plait.combinations import refuse
 from plait.engine import current_objective_scale, objective_scale
 from plait.errors import ConfigError
 from plait.moe.experts import EXPERT_ATTR, Experts
@@ -38,7 +39,7 @@ def apply_ep(model: nn.Module, mesh, axis: str = "ep") -> nn.Module:
     n, r = mesh.size(axis), mesh.rank(axis)
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if n > 1 and not layers:
-        raise ConfigError(f"{axis} = {n} needs a model with mixture-of-experts layers (it has none)")
+        raise refuse("ep-dense", ep=n)
     for layer in layers:
         bank: Experts = layer.experts
         if bank.local != bank.experts:

@@ -58,6 +58,7 @@ from collections.abc import Iterable
 import torch
 
 from plait import comm
+from plait.combinations import refuse
 from plait.errors import ConfigError
 from plait.gradsync import GradBucket, build_buckets
 
@@ -224,10 +225,7 @@ class OneBitAdam(torch.optim.Optimizer):
         of `groups` (ZeRO-1/2's flat buckets, in bucket order): the layout the momentum exchange
         needs. The momentum is exchanged over `self.axis`, so the shards must span it."""
         if shard_axis != self.axis:
-            raise ConfigError(
-                f"1-bit Adam under ZeRO exchanges its momentum over {self.axis!r} but the shards span "
-                f"{shard_axis!r}: hybrid sharding is not supported; use plain ZeRO-1/2"
-            )
+            raise refuse("1-bit-adam-hybrid", hybrid_shard=self.mesh.size(shard_axis))
         self._shards = list(groups)
 
     def shards_loaded(self) -> None:

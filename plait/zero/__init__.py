@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plait.combinations import refuse
 from plait.data_parallel.engine import DataParallelEngine
 from plait.errors import ConfigError
 from plait.flat import FlatLayout, Segment, storage_bytes
@@ -180,9 +181,10 @@ def _check_values(stage: int, optimizer, precision: str, offload: str) -> tuple[
         )
     if offload not in OFFLOADS:
         raise ConfigError(f"offload = {offload!r} is not valid; valid: {', '.join(OFFLOADS)}")
-    if stage == 0 and (precision != "fp32" or offload != "none"):  # the table's bf16-zero0, offload-zero0
-        raise ConfigError("zero_stage = 0 (plain data parallel) takes no mixed_precision policy or offload; "
-                          "use zero_stage >= 1")  # fmt: skip
+    if stage == 0 and precision != "fp32":
+        raise refuse("bf16-zero0")
+    if stage == 0 and offload != "none":
+        raise refuse("offload-zero0", offload=offload)
     return precision, offload
 
 

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from plait.combinations import refuse
 from plait.engine import AccumulatingEngine, ScalesResiduals
 from plait.errors import ConfigError
 from plait.placement import reduce_axis
@@ -21,14 +22,14 @@ class ShardedEngine(AccumulatingEngine):
     comm_hook = None  # a compressor of plait.comm.compress in place of the reduce-scatter
 
     @staticmethod
-    def _check_hook(comm_hook, compute_dtype: torch.dtype) -> None:
+    def _check_hook(comm_hook, compute_dtype: torch.dtype, stage: int) -> None:
         if comm_hook is not None and not hasattr(comm_hook, "reduce_scatter"):
             raise ConfigError(
                 f"comm_hook {type(comm_hook).__name__} has no reduce_scatter(): ZeRO takes the "
                 "compressors of plait.comm.compress"
             )
         if comm_hook is not None and compute_dtype != torch.float32:
-            raise ConfigError("gradient compression under ZeRO needs fp32 gradients (mixed_precision=None)")
+            raise refuse("compression-bf16", compression=type(comm_hook).__name__, zero_stage=stage)
 
     def set_lr_scale(self, scale: float) -> None:
         """The coming step's learning rate over the peak, for a compressor keeping its
@@ -65,10 +66,7 @@ class ShardedEngine(AccumulatingEngine):
         self.replicate_axis = replicate_axis
         self.data_axes = tuple(data_axes)
         if len(self.data_axes) > 1 and (replicate_axis or shard_axis != self.data_axes[0]):
-            raise ConfigError(
-                f"data axes {self.data_axes} (expert parallelism) with hybrid sharding are not available: "
-                "each parameter is sharded over the data axes it is not split on"
-            )
+            raise refuse("ep-hybrid", ep=mesh.size("ep"), hybrid_shard=mesh.size(shard_axis))
         self.n = mesh.size(shard_axis)
         self.rank = mesh.rank(shard_axis)
         if len(self.data_axes) > 1:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from plait.combinations import refuse
 from plait.errors import ConfigError, PlaitError
 
 __all__ = ["DiskStateOptimizer", "OffloadError"]
@@ -98,10 +99,7 @@ class DiskStateOptimizer:
                 f"DiskStateOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
         if getattr(optimizer, "norm_reducer", None) is not None:
-            raise OffloadError(
-                "disk offload does not support optimizers with cross-parameter reductions "
-                '(LAMB/LARS with norm_reducer) yet; use [offload] optimizer = "cpu" or no norm_reducer'
-            )
+            raise refuse("disk-lamb/lars", OffloadError, optimizer=type(optimizer).__name__.lower())
         if not isinstance(chunk_params, int) or chunk_params < 1:
             raise ConfigError(f"chunk_params must be an integer >= 1, got {chunk_params!r}")
         self.inner = optimizer

@@ -104,7 +104,7 @@ class ZeroOptimizer(ShardedEngine):
         self.stage = stage
         self.reshard = reshard_after_step
         self.allow_unused = allow_unused
-        self._check_hook(comm_hook, compute_dtype)
+        self._check_hook(comm_hook, compute_dtype, stage)
         self.comm_hook = comm_hook
         self.trigger = trigger
         self._names = names or {}

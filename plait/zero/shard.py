@@ -33,10 +33,12 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from plait import comm
+from plait.combinations import refuse
 from plait.errors import ConfigError
 from plait.flat import alloc_storage, free_storage, storage_bytes
 from plait.gradsync import GradBucket, GradSync
 from plait.mesh import Mesh
+from plait.optim.onebit_adam import MomentumHook
 from plait.zero.engine import ShardedEngine
 from plait.zero.sharded import OptimizerFactory, ShardedOptimizer, ShardGroup
 
@@ -207,21 +209,11 @@ class ZeroStage3(ShardedEngine):
         self._init_layout(
             module, mesh, shard_axis, replicate_axis, compute_dtype, offload, delayed_update, data_axes
         )
-        self._check_hook(comm_hook, compute_dtype)
-        if comm_hook is not None and mesh.size("tp") > 1:
-            raise ConfigError(
-                "gradient compression under ZeRO-3 with tensor parallelism: a unit's gradient mixes "
-                "tp-sharded, replicated and partial parameters, and a lossy compressor over such a "
-                "bucket would let tp replicas drift apart; use ZeRO-1/2 (their buckets hold one "
-                "placement each) or no compression"
-            )
-        from plait.optim.onebit_adam import MomentumHook
-
+        self._check_hook(comm_hook, compute_dtype, stage=3)
         if isinstance(comm_hook, MomentumHook):
-            raise ConfigError(
-                "1-bit Adam (MomentumHook) runs under stages 0-2: its ZeRO path forms each rank's "
-                "momentum over ZeRO-1/2's flat buckets of whole parameters, not over ZeRO-3's units"
-            )
+            raise refuse("1-bit-adam-zero3")
+        if comm_hook is not None and mesh.size("tp") > 1:
+            raise refuse("zero3-compression-tp", compression=type(comm_hook).__name__, tp=mesh.size("tp"))
         self.comm_hook = comm_hook
         self.reshard = reshard_after_forward
         for buf in module.buffers():

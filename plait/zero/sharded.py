@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from plait import comm
+from plait.combinations import refuse
 from plait.engine import global_grad_norm
 from plait.errors import ConfigError
 from plait.flat import FlatLayout, storage_bytes
@@ -94,7 +95,7 @@ class ShardedOptimizer:
         if offload not in OFFLOADS:
             raise ConfigError(f"offload {offload!r} is not valid; valid: {', '.join(OFFLOADS)}")
         if delayed_update and offload == "none":
-            raise ConfigError("delayed_update needs offload = 'cpu' or 'disk' (ZeRO-Offload's DPU)")
+            raise refuse("delayed-no-offload")
         self.groups = groups
         self.mesh = mesh
         self.shard_axis = shard_axis

@@ -1,107 +1,30 @@
-"""Which features of a training job combine: the table, as data.
-
-Each row (`Rule`) names a set of features (`FEATURES`: the layout's, such as ``tp`` or ``zero3``,
-and the job's, such as ``moe`` or ``lamb/lars``) and says whether they work together. A refused
-row carries the reason, what to change, the config keys the message names and the test that
-proves the refusal; a supported row carries the test that proves the combination against one
-process. `plait.layout.check` raises the first refused row that applies to a job, so config
-validation, the planner's enumeration, `plait.parallelize` and run-time guards all read this one
-table; docs/compose.md's matrix is `table_markdown()`, and `plait layouts` prints
-`describe_table()`.
-"""
+"""The table of combinations: the refused rows in check order, then the supported ones."""
 
 from __future__ import annotations
 
-import dataclasses
+from plait.combinations.rule import LAYOUT_TEST, SWITCHES, Rule
 
-from plait.models.source import SOURCE_LIMITS
-
-FEATURES = {  # name: what turns it on
-    "dp": "data parallelism: parallel.dp > 1",
-    "tp": "tensor parallelism: parallel.tp > 1",
-    "pp": "pipeline parallelism: parallel.pp > 1",
-    "ep": "expert parallelism: parallel.ep > 1",
-    "sp": "sequence parallelism: parallel.sequence_parallel",
-    "zero": "ZeRO: parallel.zero_stage >= 1",
-    "zero3": "ZeRO-3: parallel.zero_stage = 3",
-    "hybrid": "hybrid sharding: parallel.hybrid_shard > 0",
-    "offload": "optimizer offload: offload.optimizer = cpu or disk",
-    "offload-disk": "disk offload: offload.optimizer = disk",
-    "delayed": "ZeRO-Offload's delayed parameter update: offload.delayed_update",
-    "compression": "gradient compression: comm.compression other than none",
-    "ef-compressor": "an error-feedback compressor: comm.compression = onebit, topk or powersgd",
-    "1-bit-adam": "1-bit Adam: comm.target = momentum",
-    "bf16": "ZeRO's bf16 mixed precision: train.bf16 with parallel.zero_stage >= 1",
-    "recompute": "activation checkpointing: train.activation_checkpointing",
-    "grad-accum": "gradient accumulation: train.micro_batches > 1",
-    "adamw": "optim.name = adamw",
-    "lamb/lars": "a layer-wise optimizer: optim.name = lamb or lars",
-    "moe": "a mixture-of-experts model: model.experts > 0",
-    "dropout": "model.dropout > 0",
-    "tokenizer": "a tokenizer other than bytes: data.tokenizer",
-    "hf": "a Hugging Face model: model.source = hf:*",
-    "python": "a factory's model: model.source = python:*",
-    "ps": "the parameter server: ps.servers > 0",
-    "auto": "the planner chooses the layout: parallel.plan = auto",
-    "api": "the custom-loop API: plait.parallelize",
+# What each kind of model.source cannot take: (feature, key, the value the source takes). The
+# source's rows of the table are made from this record; plait.models.source builds the models.
+SOURCE_LIMITS = {
+    "hf": {
+        "what": "{key} = {value!r} does not apply to model.source = {source!r}",
+        "reason": "hf models are dense, trained without dropout, outside the parameter server",
+        "fix": "set {key} = {default!r}",
+        "limits": (
+            ("moe", "model.experts", 0),
+            ("dropout", "model.dropout", 0.0),
+            ("ep", "parallel.ep", 1),
+            ("ps", "ps.servers", 0),
+        ),
+    },
+    "python": {
+        "what": "model.source = {source!r} with {key} = {value!r} is not available",
+        "reason": "it is a feature of plait's own GPT, which a factory's model is not",
+        "fix": "set {key} = {default!r}, or model.source = 'plait'",
+        "limits": (("moe", "model.experts", 0), ("ep", "parallel.ep", 1), ("ps", "ps.servers", 0)),
+    },
 }
-# The features a generated row names: (config key, its name in the message templates, its value
-# when off, a value that turns it on for the row's example config).
-SWITCHES = {
-    "tp": ("parallel.tp", "tp", 1, "2"),
-    "pp": ("parallel.pp", "pp", 1, "2"),
-    "ep": ("parallel.ep", "ep", 1, "2"),
-    "zero": ("parallel.zero_stage", "zero_stage", 0, "1"),
-    "hybrid": ("parallel.hybrid_shard", "hybrid_shard", 0, "2"),
-    "compression": ("comm.compression", "compression", "none", "fp16"),
-    "offload": ("offload.optimizer", "offload", "none", "cpu"),
-    "moe": ("model.experts", "experts", 0, "4"),
-    "dropout": ("model.dropout", "dropout", 0.0, "0.1"),
-    "ps": ("ps.servers", "servers", 0, "1"),
-    "tokenizer": ("data.tokenizer", "tokenizer", "bytes", "bpe"),
-}
-LAYOUT_TEST = "tests/test_layout.py::test_refusal_is_raised_from_a_config"
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One row: the features `all` together (with one of `any`, when given, and none of `none`)."""
-
-    id: str
-    all: frozenset[str]
-    supported: bool
-    reason: str  # refused: why; supported: what the row covers
-    keys: tuple[str, ...]  # the config keys to name (refused) or to set (supported)
-    test: str  # the pytest node (or file) that proves the row
-    what: str = ""  # refused: the combination as the message names it, over the job's values
-    fix: str = ""  # refused: what to change, over the job's values
-    any: frozenset[str] = frozenset()
-    none: frozenset[str] = frozenset()
-    python: str = ""  # supported: how to ask for it from Python
-    # refused: config overrides the row refuses (api rows: Layout and Job fields)
-    example: tuple[tuple[str, object], ...] = ()
-    api: bool = False  # refused by plait.parallelize (the custom-loop API), not by a config
-    then: str = "; "  # between the reason and the fix in the message
-
-    def applies(self, features: frozenset[str]) -> bool:
-        return (
-            self.all <= features
-            and (not self.any or bool(self.any & features))
-            and not (self.none & features)
-        )
-
-    def message(self, values: dict) -> str:
-        """The error: the combination with its values, why, and what to change (one line)."""
-        return f"{self.what.format(**values)}: {self.reason}{self.then}{self.fix.format(**values)}"
-
-    def combination(self) -> str:
-        """The features as a reader reads them: `tp x lamb/lars`, `hybrid without zero`."""
-        text = " x ".join(f for f in FEATURES if f in self.all)
-        if self.any:
-            text += " x (" + " or ".join(f for f in FEATURES if f in self.any) + ")"
-        if self.none:
-            text += " without " + " or ".join(f for f in FEATURES if f in self.none)
-        return text
 
 
 def _no(id_, all_, what, reason, fix, keys, example, **kw) -> Rule:
@@ -333,68 +256,3 @@ SUPPORTED += [
 ]  # fmt: skip
 COMBINATIONS: tuple[Rule, ...] = (*REFUSED, *SUPPORTED)  # the refused rows in check order, then the supported
 assert len({r.id for r in COMBINATIONS}) == len(COMBINATIONS), "row ids name one row each"
-
-
-def _md(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def table_markdown() -> str:
-    """docs/compose.md's matrix: what combines (and the test that proves it), what is refused."""
-    out = [
-        "| combination | features | `plait train` keys | Python | tested in |",
-        "|---|---|---|---|---|",
-    ]
-    for r in SUPPORTED:
-        keys = ", ".join(f"`{k}`" for k in r.keys)
-        out.append(f"| {_md(r.reason)} | {r.combination()} | {keys} | {r.python} | `{r.test}` |")
-    out += [
-        "",
-        "Refused, checked before any process starts in the order listed (`plait.layout.check`); the "
-        "message names the keys and says what to change:",
-        "",
-        f"| combination | why | keys | `{LAYOUT_TEST}[...]` |",
-        "|---|---|---|---|",
-    ]
-    for r in REFUSED:
-        keys = ", ".join(f"`{k}`" for k in r.keys)
-        where = " (`plait.parallelize`)" if r.api else ""
-        test = f"`[{r.id}]`" if r.test == f"{LAYOUT_TEST}[{r.id}]" else f"`{r.test}`"
-        out.append(f"| {_md(r.combination())}{where} | {_md(r.reason)} | {keys} | {test} |")
-    out += ["", "Features:", ""]
-    out += [f"- `{name}`: {doc}" for name, doc in FEATURES.items()]
-    return "\n".join(out) + "\n"
-
-
-def describe_table() -> str:
-    """The table as plain text, for `plait layouts`."""
-    width = max(len(r.combination()) for r in COMBINATIONS)
-    out = ["Features:"] + [f"  {name:<14} {doc}" for name, doc in FEATURES.items()]
-    out += ["", "Supported (each proved against one process):"]
-    out += [f"  {r.combination():<{width}}  {r.reason}  [{r.test}]" for r in SUPPORTED]
-    out += ["", "Refused (with the keys to change):"]
-    for r in REFUSED:
-        where = " (plait.parallelize)" if r.api else ""
-        out.append(f"  {r.combination():<{width}}  {r.reason}{where}; keys: {', '.join(r.keys)}")
-    return "\n".join(out)
-
-
-BEGIN = "<!-- combinations: generated by plait.combinations.table_markdown(); edit the table there -->"
-END = "<!-- combinations: end -->"
-
-
-def with_table(text: str) -> str:
-    """`text` (a markdown page) with the part between `BEGIN` and `END` replaced by the table."""
-    head, found, rest = text.partition(BEGIN)
-    _, found_end, tail = rest.partition(END)
-    if not (found and found_end):
-        raise ValueError(f"the page has no {BEGIN!r} ... {END!r} section")
-    return f"{head}{BEGIN}\n\n{table_markdown()}\n{END}{tail}"
-
-
-if __name__ == "__main__":  # python -m plait.combinations docs/compose.md: regenerate the page's matrix
-    import sys
-    from pathlib import Path
-
-    page = Path(sys.argv[1])
-    page.write_text(with_table(page.read_text()))
