@@ -17,6 +17,10 @@ def __getattr__(name: str):
         from plait import api
 
         return getattr(api, name)
+    if name == "verify":  # the parity check of a custom loop's layouts (plait.parity)
+        from plait.parity import verify
+
+        return verify
     raise AttributeError(f"module 'plait' has no attribute {name!r}")
 
 
@@ -33,4 +37,5 @@ __all__ = [
     "comm",
     "init_distributed",
     "parallelize",
+    "verify",
 ]

@@ -35,6 +35,7 @@ from plait.layout import Job, Layout, check
 from plait.mesh import Mesh
 from plait.moe.parallel import apply_ep
 from plait.pipeline.engine import PipelineEngine, cut_pipeline
+from plait.placement import placement
 from plait.recompute import apply_activation_checkpointing
 from plait.tensor_parallel import apply_tp
 
@@ -104,10 +105,36 @@ def parallelize(
             "parallelize: activation_checkpointing found no blocks to recompute: pass blocks=[...] or "
             "give the model a plait_blocks() method"
         )
+    # before ZeRO-3 flattens the parameters; a pipeline stage's by the whole model's names
+    placements = describe_placements(part, layout, cut.names if cut is not None else None)
+    local_params = sum(p.numel() for p in part.parameters())
     engine = shard(part, layout, mesh, optimizer, param_groups, blocks, comm_hook, allow_unused, cut)
-    if cut is None:
-        return engine
-    return PipelineEngine(cut, engine, mesh, recompute=layout.activation_checkpointing)
+    if cut is not None:
+        engine = PipelineEngine(cut, engine, mesh, recompute=layout.activation_checkpointing)
+    engine.placements = placements
+    engine.local_params = local_params  # elements of this rank's part, before ZeRO shards them
+    return engine
+
+
+def describe_placements(part: nn.Module, layout: Layout, names: dict | None = None) -> dict[str, str]:
+    """{parameter name: where the layout puts it, in words}: split along which dim over which
+    axis, whose gradient is partial over which axis, what the data axes and ZeRO do with it
+    (what `plait verify` prints beside a parameter that differs)."""
+    out = {}
+    for name, p in part.named_parameters():
+        name = (names or {}).get(id(p), name)
+        pl = placement(p)
+        words = [f"dim {s.dim} split over {axis}" for axis, s in pl.sharded]
+        words += [f"gradient partial over {axis}" for axis in pl.grad_partial]
+        data = [a for a in layout.data_axes if layout.sizes.get(a, 1) > 1 and pl.shard(a) is None]
+        if layout.zero_stage and data:
+            what = "optimizer state" if layout.zero_stage == 1 else "gradient and optimizer state"
+            what = "parameter, gradient and optimizer state" if layout.zero_stage == 3 else what
+            words.append(f"ZeRO-{layout.zero_stage}: {what} sharded over {' x '.join(data)}")
+        elif data:
+            words.append(f"replicated over {' x '.join(data)}, gradient averaged")
+        out[name] = "; ".join(words) or "replicated"
+    return out
 
 
 def shard(part, layout: Layout, mesh: Mesh, optimizer, param_groups, blocks, comm_hook, allow_unused, cut):

@@ -9,6 +9,7 @@ plait launch [--nproc N] SCRIPT.py [ARGS ...]
 plait plan [CONFIG] [--section.key value ...] --devices N [--cluster NAME|FILE|this] [--top K] [--json]
 plait plan --calibrate [--devices N ...]
 plait layouts [--json]
+plait verify [CONFIG] [--layouts L1,L2,... | --top N] [--steps K] [--lr LR] [--tol T] [--out DIR] [--json]
 plait hogwild [--workers N] [--updates U] [--batch B] [--lock] [--optimizer adagrad|sgd] [--lr LR]
               [--features F] [--out DIR] [--json]
 
@@ -37,6 +38,7 @@ COMMANDS = {
     "hogwild": "plait.cli.hogwild",
     "launch": "plait.cli.launch",
     "layouts": "plait.cli.layouts",
+    "verify": "plait.cli.verify",
 }
 
 HELP = (
@@ -46,7 +48,8 @@ HELP = (
     "plan: choose the layout for N devices (plait plan --help); "
     "hogwild: lock-free SGD on shared memory (plait hogwild --help); "
     "launch: run your own script on N ranks, like torchrun (plait launch --help); "
-    "layouts: which features combine, and why the others are refused"
+    "layouts: which features combine, and why the others are refused; "
+    "verify: check that layouts train your model like one process (plait verify --help)"
 )
 
 

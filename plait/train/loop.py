@@ -203,6 +203,8 @@ def _setup(
     n_params = sum(q.numel() for q in raw.parameters())
     flops_per_token = report.flops_per_token(raw)  # of the whole model: before wrapping shards it
     engine = build_engine(raw, cfg, mesh, run_dir)
+    if cfg.log.placements:
+        report.write_placements(run_dir, mesh, engine)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         engine.optimizer, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr / t.lr)
     )

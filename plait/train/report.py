@@ -151,6 +151,7 @@ def log_step(run: Run, step: int, record: dict, window: Window) -> None:
         peak_mem_bytes=mem,
         comm_bytes=mesh.ledger.total(step, "bus_bytes"),
         comm_uncompressed_bytes=mesh.ledger.total(step, "logical_bytes"),
+        comm_by_axis=_bytes_by_axis(mesh.ledger.rows(step)),
     )
     moe = _moe_record(run)
     if moe is not None:
@@ -226,6 +227,27 @@ def write_timeline(engine, mesh: Mesh, run_dir: Path, step_time: float) -> None:
         f"plait: pipeline step measured {step_time * 1e3:.1f} ms, simulated {sim.makespan * 1e3:.1f} ms "
         f"from the measured action costs; timelines in {run_dir / 'pipeline_timeline.png'}",
     )
+
+
+def _bytes_by_axis(rows: dict) -> dict[str, float]:
+    """This rank's bus bytes of one step, per mesh axis."""
+    out: dict[str, float] = {}
+    for (_, axis), row in rows.items():
+        out[axis] = out.get(axis, 0.0) + row.bus_bytes
+    return out
+
+
+def write_placements(run_dir: Path, mesh, engine) -> None:
+    """``log.placements``: where the layout put each of this rank's parameters, with the rank's
+    coordinates on the mesh, as ``placements/rank_R.json`` (read by `plait verify`)."""
+    out = run_dir / "placements"
+    out.mkdir(exist_ok=True)
+    record = {
+        "coords": mesh.coords,
+        "placements": getattr(engine, "placements", {}),
+        "local_params": getattr(engine, "local_params", None),  # elements, before ZeRO shards them
+    }
+    (out / f"rank_{mesh.global_rank}.json").write_text(json.dumps(record, indent=1))
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:

@@ -78,6 +78,9 @@ class LogConfig:
     tensorboard: bool = _f(
         False, "write TensorBoard event files into <run_dir>/tensorboard (pip install plait[tensorboard])"
     )
+    placements: bool = _f(
+        False, "write <run_dir>/placements/rank_R.json: where the layout put each parameter of rank R"
+    )
 
 
 @dataclasses.dataclass

@@ -1,0 +1,170 @@
+"""`plait.verify(model_factory, loss_fn, batches, layouts)`: the parity check for a custom loop.
+
+The reference is one process training `model_factory()` on each whole batch with SGD; each
+layout runs the same model, batches and seed under `plait.parallelize` on as many local
+processes as it has ranks. Both record the loss, the global gradient norm and every parameter
+whole after each step, and `plait.parity.compare` says where they part.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from plait.api import KEYS, parallelize
+from plait.comm.spawn import run_ranks
+from plait.errors import ConfigError
+from plait.parity.compare import Trace, compare, verdict_line
+from plait.parity.report import Report
+
+DEGREES = ("dp", "tp", "pp", "ep")
+MAX_RANKS = 64  # local processes one layout may spawn
+
+
+def layout_name(layout: Mapping) -> str:
+    """`dp=2+zero_stage=3`: a layout as `plait verify --layouts` writes it."""
+    return "+".join(f"{k}={v}" for k, v in layout.items())
+
+
+def layout_world(layout: Mapping) -> int:
+    """The processes a layout runs on: dp x tp x pp x ep (an absent degree is 1)."""
+    unknown = sorted(set(layout) - set(KEYS) - {"micro_batches"})
+    if unknown:
+        raise ConfigError(
+            f"verify: unknown layout key {unknown[0]!r}; valid: {', '.join([*KEYS, 'micro_batches'])}"
+        )
+    world = math.prod(int(layout.get(k) or 1) for k in DEGREES)
+    if world < 2 or world > MAX_RANKS:
+        raise ConfigError(
+            f"verify: layout {layout_name(layout) or '{}'} runs on {world} process(es); give degrees "
+            f"(dp, tp, pp, ep) whose product is 2 to {MAX_RANKS} (one process is the reference)"
+        )
+    return world
+
+
+def _loss(model, batch, loss_fn):
+    if loss_fn is not None:
+        return loss_fn(model, batch)
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+
+
+def reference_trace(model_factory, loss_fn, batches, lr: float, seed: int) -> Trace:
+    """One process, each whole batch, SGD(lr) without momentum, weight decay or clipping."""
+    torch.manual_seed(seed)
+    model = model_factory()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, norms, params = [], [], [_params(model)]
+    for batch in batches:
+        loss = _loss(model, batch, loss_fn)
+        loss.backward()
+        grads = [p.grad.double().square().sum() for p in model.parameters() if p.grad is not None]
+        norms.append(float(torch.stack(grads).sum().sqrt()) if grads else 0.0)
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+        params.append(_params(model))
+    return Trace("one process", losses, norms, params)
+
+
+def _rank(model_factory, loss_fn, batches, layout, lr, seed, tp_plan, layout_rules):
+    """One rank of a layout (run by plait.comm.spawn.run_ranks)."""
+    options = {k: v for k, v in layout.items() if k != "micro_batches"}
+    torch.manual_seed(seed)
+    model = model_factory()
+    engine = parallelize(
+        model,
+        lambda p: torch.optim.SGD(p, lr=lr),
+        options,
+        loss_fn=loss_fn,
+        tp_plan=tp_plan,
+        layout_rules=layout_rules,
+        seed=seed,
+    )
+    micro = int(layout.get("micro_batches", 1))
+    losses, norms, params = [], [], [engine.full_parameters()]
+    for batch in batches:
+        losses.append(engine.forward_backward(engine.shard(batch), micro_batches=micro))
+        norms.append(engine.grad_norm())
+        engine.step()
+        params.append(engine.full_parameters())
+    placements = getattr(engine.engine, "placements", {})
+    engine.close()
+    return losses, norms, params, placements
+
+
+def layout_trace(model_factory, loss_fn, batches, layout, lr, seed, tp_plan, layout_rules) -> Trace:
+    world = layout_world(layout)
+    args = (model_factory, loss_fn, batches, dict(layout), lr, seed, tp_plan, layout_rules)
+    results = run_ranks(_rank, world, args, timeout=600)
+    losses, norms = results[0][0], results[0][1]
+    params = [{} for _ in results[0][2]]
+    placements: dict[str, str] = {}
+    for _, _, rank_params, rank_placements in results:  # a pipeline's stages hold different names
+        for k, step in enumerate(rank_params):
+            for name, value in step.items():
+                params[k].setdefault(name, value)
+        for name, where in rank_placements.items():
+            placements.setdefault(name, where)
+    return Trace(layout_name(layout), losses, norms, params, placements)
+
+
+def verify(
+    model_factory: Callable,
+    loss_fn: Callable | None,
+    batches: Sequence,
+    layouts: Sequence[Mapping],
+    *,
+    lr: float = 0.5,
+    tol: float = 1e-5,
+    seed: int = 0,
+    tp_plan: dict | None = None,
+    layout_rules: dict | None = None,
+    out=None,
+    quiet: bool = False,
+) -> Report:
+    """Check that each layout trains `model_factory()` like one process (docs/verify.md).
+
+    Args:
+        model_factory: ``model_factory() -> nn.Module``, the whole model in fp32, called after
+            ``torch.manual_seed(seed)`` in the reference and on every rank; a module-level
+            function (it is sent to the ranks).
+        loss_fn: ``loss_fn(model, batch) -> the mean loss over the batch's rows``, or None for
+            the model's own (as `plait.parallelize` takes it).
+        batches: the global batches, one per step (tensors, or tuples, lists or dicts of
+            tensors sharing their first dimension, a multiple of each layout's dp x ep).
+        layouts: `plait.parallelize` layouts (``{"dp": 2, "zero_stage": 3}``, ``{"tp": 2,
+            "sequence_parallel": True}``), each on dp x tp x pp x ep local processes, plus
+            ``micro_batches`` (gradient accumulation in `forward_backward`).
+        lr: SGD's learning rate (no momentum, weight decay or clipping: a gradient 2x too large
+            moves the parameters 2x too far instead of being hidden by Adam's normalisation).
+        tol: the relative error above which a layout differs.
+        out: a directory for report.md, report.json and the plot (None: nothing written).
+
+    Returns the `Report`; ``report.holds`` is True when every layout holds.
+    """
+    batches = list(batches)
+    if not batches:
+        raise ConfigError("verify: batches is empty; give one global batch per step")
+    for layout in layouts:
+        layout_world(layout)  # every layout's keys and size, before any process starts
+    ref = reference_trace(model_factory, loss_fn, batches, lr, seed)
+    report = Report(tol=tol, lr=lr, steps=len(batches), reference=ref.name)
+    for layout in layouts:
+        trace = layout_trace(model_factory, loss_fn, batches, layout, lr, seed, tp_plan, layout_rules)
+        result = compare(ref, trace, tol)
+        report.add(trace.name, dict(layout), result)
+        if not quiet:
+            print(f"plait verify: {verdict_line(trace.name, result)}", flush=True)
+    if out is not None:
+        report.write(out)
+    return report
