@@ -74,7 +74,7 @@ def test_layouts_of_two_and_four_ranks_hold(api_reports):
         for row in lay["steps"]:
             # the trajectory moves (SGD lr 0.5), and every layout follows it to 1e-5
             assert row["loss_rel"] < 1e-5 and row["grad_norm_rel"] < 1e-5 and row["param_rel_max"] < 1e-5
-            assert row["grad_rel_max"] < 1e-4, (lay["name"], row)
+            assert row["grad_rel_max"] < 1e-3 and row["grads_differing"] == 0, (lay["name"], row)
         assert lay["steps"][0]["loss"] > lay["steps"][-1]["loss"]
     written = json.loads((out / "holds" / "report.json").read_text())
     assert written["holds"] and [w["name"] for w in written["layouts"]] == [x["name"] for x in report.layouts]

@@ -39,7 +39,7 @@ def _parser() -> Parser:
     )
     parser.add_argument("--steps", type=int_in(1, MAX_STEPS), default=4, help="steps per run (default 4)")
     parser.add_argument(
-        "--lr", type=float_in(0.0, 1e3, lo_open=True), default=0.5, help="SGD's learning rate"
+        "--lr", type=float_in(0.0, 1e3, lo_open=True), default=0.2, help="SGD's learning rate (default 0.2)"
     )
     parser.add_argument(
         "--tol", type=float_in(0.0, 1.0, lo_open=True), default=None,

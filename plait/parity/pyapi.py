@@ -124,7 +124,7 @@ def verify(
     batches: Sequence,
     layouts: Sequence[Mapping],
     *,
-    lr: float = 0.5,
+    lr: float = 0.2,
     tol: float = 1e-5,
     seed: int = 0,
     tp_plan: dict | None = None,
