@@ -16,14 +16,11 @@ which rebuilds tensors and plain containers and refuses any other object, so a c
 no code. `choose_checkpoint` picks what `plait train --resume` loads: the newest step whose
 manifest verifies and whose shards load as plain tensors of the expected shape; a damaged newer
 one (truncated, corrupted, crafted, without a manifest) is skipped with one line saying so.
-`export_ps` writes the model of a parameter-server run as `plait export` writes a trainer's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
 import pickle
 import re
@@ -66,7 +63,7 @@ def save_shard(run_dir: Path, index: int, servers: int, state: dict, store, keep
     return path
 
 
-def _steps(run_dir: str | Path) -> list[tuple[int, Path]]:
+def steps(run_dir: str | Path) -> list[tuple[int, Path]]:
     """(clock, directory) of every step_N under ps_checkpoints/, newest first."""
     root = Path(run_dir) / ROOT
     found = []
@@ -77,7 +74,7 @@ def _steps(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def _prune(run_dir: Path, index: int, keep: int) -> None:
-    mine = [(c, d) for c, d in _steps(run_dir) if (d / shard_name(index)).exists()]
+    mine = [(c, d) for c, d in steps(run_dir) if (d / shard_name(index)).exists()]
     for _, d in mine[keep:]:
         (d / shard_name(index)).unlink(missing_ok=True)
         if not any(d.glob("server*.pt")):  # the last server out removes the step
@@ -133,7 +130,7 @@ def choose_checkpoint(run_dir: Path, servers: int | None, numels: list[list[int]
     """(clock, note) of the newest step every server saved that verifies; the note (None when it is
     the newest step) says which newer ones failed and why. CheckpointError when none verifies."""
     damaged = []
-    for clock, d in _steps(run_dir):
+    for clock, d in steps(run_dir):
         try:
             verify_step(d, servers, numels)
         except CheckpointError as exc:
@@ -160,55 +157,3 @@ def read_params(run_dir: Path, clock: int, servers: int | None = None) -> list[t
     d = step_dir(run_dir, clock)
     servers = verify_step(d, servers)["servers"]
     return [v for s in range(servers) for v in load_shard(d / shard_name(s))["params"]]
-
-
-def is_ps_run(run_dir: str | Path) -> bool:
-    """Whether `run_dir` was trained by parameter servers (it holds ps_checkpoints/, no checkpoints/)."""
-    return (Path(run_dir) / ROOT).is_dir() and not (Path(run_dir) / "checkpoints").is_dir()
-
-
-def export_ps(run_dir: str | Path, out=None, step: int | None = None, dtype: str = "fp32") -> Path:
-    """`plait export` of a parameter-server run: the servers' parameters of `step` (default the
-    newest step that verifies) as the safetensors file `plait.train.export.export` writes for a
-    trainer's run (same keys, ties and header), default RUN_DIR/model.safetensors."""
-    from plait.models import GPT
-    from plait.train.export import (
-        DTYPES,
-        META_CONFIG,
-        META_TIED,
-        _check_out,
-        _untied,
-        _write_file,
-        run_model_config,
-        tie_groups,
-    )
-
-    run_dir = Path(run_dir)
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r} is unknown; valid: {', '.join(DTYPES)}")
-    if step is None:
-        step, note = choose_checkpoint(run_dir, None)
-        if note:
-            print(note.replace("resuming from", "exporting"), flush=True)
-    elif not step_dir(run_dir, step).is_dir():
-        have = ", ".join(str(c) for c, _ in reversed(_steps(run_dir))) or "none"
-        raise ConfigError(f"--step {step}: no parameter-server checkpoint of that step; available: {have}")
-    out = Path(out) if out is not None else run_dir / "model.safetensors"
-    _check_out(out)
-    mcfg = run_model_config(run_dir)
-    params = read_params(run_dir, step)
-    with torch.device("meta"):
-        model = GPT(mcfg)
-    keys = list(model.parameters())  # registration order, ties once: the servers' keys
-    if [tuple(p.shape) for p in keys] != [tuple(v.shape) for v in params]:
-        raise CheckpointError(
-            f"{step_dir(run_dir, step)} holds other tensors than the model config.toml describes"
-        )
-    by_param = {id(p): v for p, v in zip(keys, params)}
-    state = {n: by_param[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
-    metadata = {
-        META_CONFIG: json.dumps(dataclasses.asdict(mcfg)),
-        META_TIED: json.dumps([g for g in tie_groups(model) if len(g) > 1]),
-    }
-    d = step_dir(run_dir, step)
-    return _write_file(_untied(model, state, dtype), out, metadata, run_dir, d, verify_checkpoint(d), dtype)

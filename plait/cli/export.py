@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from plait.async_training.ps_checkpoint import export_ps, is_ps_run
+from plait.async_training.ps_export import export_ps, is_ps_run
 from plait.cli.args import Parser, parse_or_help
 from plait.models import GPTConfig
 from plait.train.export import DTYPES, META_CONFIG, export, exported_metadata
