@@ -17,7 +17,9 @@ def _parser() -> Parser:
         "plain one-process GPT loads with load_state_dict(strict=True), whatever layout trained it; "
         "the header holds the model config (plait.train.export.load_exported rebuilds the model).",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (config.toml, checkpoints/)")
+    parser.add_argument(
+        "run_dir", metavar="RUN_DIR", help="a run directory (config.toml, checkpoints/ or ps_checkpoints/)"
+    )
     parser.add_argument(
         "--out",
         help="the file to write (default RUN_DIR/model.safetensors); for an hf:* model the save_pretrained "
