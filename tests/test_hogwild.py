@@ -139,6 +139,7 @@ def _signalled_run(out, sig):
     """`plait hogwild` in a session of its own (as a shell job, or a scheduler's task), sent `sig`
     to its whole process group once the workers run: (exit code, stderr, seconds to exit)."""
     cmd = [sys.executable, "-m", "plait.cli", "hogwild", "--workers", "2", "--updates", "1000000000"]
+    cmd += ["--features", "4096", "--eval-points", "0"]  # a small problem: quick to build
     proc = subprocess.Popen(
         [*cmd, "--out", str(out)], stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -147,6 +148,7 @@ def _signalled_run(out, sig):
         while not ((out / "loss.jsonl").is_file() and (out / "loss.jsonl").read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, "hogwild did not start"
             time.sleep(0.1)
+        time.sleep(0.3)  # the first point is written as the workers are released
         t0 = time.monotonic()
         os.killpg(proc.pid, sig)
         _, err = proc.communicate(timeout=60)

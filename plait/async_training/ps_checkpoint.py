@@ -145,9 +145,9 @@ def choose_checkpoint(run_dir: Path, servers: int | None, numels: list[list[int]
         return clock, note
     root = Path(run_dir) / ROOT
     if not damaged:
-        raise CheckpointError(f"--resume: {root} holds no complete parameter-server checkpoint")
+        raise CheckpointError(f"{root} holds no complete parameter-server checkpoint")
     raise CheckpointError(
-        f"--resume: no parameter-server checkpoint in {root} verifies: {'; '.join(damaged)}"
+        f"no parameter-server checkpoint in {root} verifies: {'; '.join(damaged)}"
     )
 
 
