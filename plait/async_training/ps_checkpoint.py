@@ -9,7 +9,9 @@ Layout under `<run_dir>/ps_checkpoints/`:
 Each server writes its shard under a temporary name and renames it; the last of the S servers to
 save step N (a counter in the control-plane store) then writes the step's manifest in the format
 of the trainer's checkpoints (`plait.train.checkpoint.write_manifest`, checked by
-`verify_checkpoint`). A step without a manifest was not saved by every server.
+`verify_checkpoint`); the launcher writes the last step's again once every server has exited
+(a step saved twice, at a checkpoint clock that is also the last, is then sealed from its final
+shards). A step without a manifest was not saved by every server.
 
 Nothing in a run directory is unpickled: a shard is read with `torch.load(weights_only=True)`,
 which rebuilds tensors and plain containers and refuses any other object, so a crafted file runs
@@ -54,13 +56,22 @@ def save_shard(run_dir: Path, index: int, servers: int, state: dict, store, keep
     torch.save(state, tmp)
     os.replace(tmp, path)
     # a step may be saved twice (a checkpoint clock that is also the last): every round of S
-    # saves rewrites the manifest, after the round's last shard is in place
+    # saves rewrites the manifest, after the round's last shard is in place; the launcher seals
+    # the last step again once every server has exited (`seal`)
     if store is None or store.add(f"ps/saved/{clock}", 1) % servers == 0:
-        names = [shard_name(s) for s in range(servers)]
-        if all((path.parent / n).is_file() for n in names):  # else an older step pruned meanwhile
-            write_manifest(path.parent, names, step=clock, servers=servers)
+        seal(run_dir, clock, servers)
     _prune(run_dir, index, keep)
     return path
+
+
+def seal(run_dir: Path, clock: int, servers: int) -> bool:
+    """Write step `clock`'s manifest from the shards on disk, if every server's is there."""
+    d = step_dir(run_dir, clock)
+    names = [shard_name(s) for s in range(servers)]
+    if not all((d / n).is_file() for n in names):  # an older step pruned meanwhile
+        return False
+    write_manifest(d, names, step=clock, servers=servers)
+    return True
 
 
 def steps(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -146,9 +157,7 @@ def choose_checkpoint(run_dir: Path, servers: int | None, numels: list[list[int]
     root = Path(run_dir) / ROOT
     if not damaged:
         raise CheckpointError(f"{root} holds no complete parameter-server checkpoint")
-    raise CheckpointError(
-        f"no parameter-server checkpoint in {root} verifies: {'; '.join(damaged)}"
-    )
+    raise CheckpointError(f"no parameter-server checkpoint in {root} verifies: {'; '.join(damaged)}")
 
 
 def read_params(run_dir: Path, clock: int, servers: int | None = None) -> list[torch.Tensor]:

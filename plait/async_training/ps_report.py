@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from plait.async_training.ps_checkpoint import read_params
+from plait.async_training.ps_checkpoint import read_params, seal
 
 
 def _read(path: Path) -> list[dict]:
@@ -155,6 +155,7 @@ def finish_run(cfg, run_dir: Path, start: int, dead: list[int], elapsed: float, 
     last = min(cfg.train.steps, cfg.train.stop_at) if cfg.train.stop_at else cfg.train.steps
     if ok and all(s is not None for s in servers):
         clock = servers[0]["applied_clock"] if cfg.ps.consistency != "async" else last
+        seal(run_dir, clock, cfg.ps.servers)  # every server has exited: the shards are final
         corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)
         model = load_final_model(cfg, run_dir, clock)
         val = eval_batches(corpus.val, model.cfg.seq_len, cfg.train.global_batch, cfg.train.eval_batches)
