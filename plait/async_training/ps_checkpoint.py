@@ -111,7 +111,12 @@ def load_shard(path: Path, numels: list[int] | None = None, mmap: bool = False) 
         text = str(exc).strip()
         why = text.splitlines()[0].split(". ")[0][:160] if text else type(exc).__name__
         raise CheckpointError(f"{path} is unreadable ({why}): it is damaged") from None
-    if not isinstance(state, dict) or not _KEYS <= set(state) or not isinstance(state["params"], list):
+    if (
+        not isinstance(state, dict)
+        or not _KEYS <= set(state)
+        or not isinstance(state["params"], list)
+        or not all(torch.is_tensor(t) for t in state["params"])
+    ):
         raise CheckpointError(f"{path} is not a parameter-server shard (no {', '.join(sorted(_KEYS))})")
     if numels is not None and [t.numel() for t in state["params"]] != numels:
         raise CheckpointError(f"{path} holds other tensors than this server's key range: another model")
