@@ -12,7 +12,8 @@ damage copies of it:
 * `plait export` of the undamaged run writes the servers' parameters of step 4 as the file the
   trainer's export writes (load_exported rebuilds the model);
 * the TensorBoard events of the run, and of a resumed copy (the resume purges the clocks it
-  repeats), hold the numbers of metrics.jsonl.
+  repeats), hold the numbers of metrics.jsonl;
+* a garbage or missing manifest is skipped as a damaged shard is (the choice alone, no process).
 """
 
 import shutil
@@ -22,7 +23,9 @@ import torch
 from conftest import TINY, losses, plait_train, run_cli, side_by_side
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from plait.async_training.ps_checkpoint import choose_checkpoint
 from plait.async_training.ps_report import load_final_model
+from plait.errors import CheckpointError, ConfigError
 from plait.train.checkpoint import write_manifest
 from plait.train.config import load_config
 from plait.train.export import load_exported
@@ -138,3 +141,23 @@ def test_export_of_a_parameter_server_run(ps_run, tmp_path):
     for key, value in want.items():
         assert torch.equal(got[key], value), key
     _assert_events_are_the_metrics(ps_run)
+
+
+def test_a_bad_or_missing_manifest_is_skipped_like_a_damaged_shard(ps_run, tmp_path):
+    """What `--resume` and `plait export` choose from (no process started): a step whose manifest
+    is garbage or missing is skipped with its reason; none left that verifies is one error."""
+    run = tmp_path / "run"
+    shutil.copytree(ps_run / "ps_checkpoints", run / "ps_checkpoints")
+    step4, step2 = (run / "ps_checkpoints" / f"step_{c}" for c in (4, 2))
+    assert choose_checkpoint(run, 2) == (4, None)
+    (step4 / "MANIFEST.json").write_text("{not json")
+    clock, note = choose_checkpoint(run, 2)
+    assert clock == 2 and "MANIFEST.json is unreadable" in note and "resuming from step_2" in note, note
+    (step4 / "MANIFEST.json").unlink()
+    clock, note = choose_checkpoint(run, 2)
+    assert clock == 2 and "has no MANIFEST.json" in note, note
+    (step2 / "server0.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no parameter-server checkpoint in .* verifies"):
+        choose_checkpoint(run, 2)
+    with pytest.raises(ConfigError, match="resume with --ps.servers 2"):  # another key-range count
+        choose_checkpoint(ps_run, 3)
