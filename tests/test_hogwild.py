@@ -9,8 +9,12 @@ the workers interleave differently from run to run). Speed is the benchmark's bu
 """
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -129,3 +133,46 @@ def test_cli_refuses_an_out_dir_that_holds_a_run(capsys, tmp_path):
     (tmp_path / "summary.json").write_text("{}")
     assert main(["hogwild", "--out", str(tmp_path)]) == 2
     assert "already holds a hogwild run" in capsys.readouterr().err
+
+
+def _signalled_run(out, sig):
+    """`plait hogwild` in a session of its own (as a shell job, or a scheduler's task), sent `sig`
+    to its whole process group once the workers run: (exit code, stderr, seconds to exit)."""
+    cmd = [sys.executable, "-m", "plait.cli", "hogwild", "--workers", "2", "--updates", "1000000000"]
+    cmd += ["--features", "4096", "--eval-points", "0"]  # a small problem: quick to build
+    proc = subprocess.Popen(
+        [*cmd, "--out", str(out)], stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "loss.jsonl").is_file() and (out / "loss.jsonl").read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "hogwild did not start"
+            time.sleep(0.1)
+        time.sleep(0.3)  # the first point is written as the workers are released
+        t0 = time.monotonic()
+        os.killpg(proc.pid, sig)
+        _, err = proc.communicate(timeout=60)
+        return proc.returncode, err, time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_cli_sigterm_and_ctrl_c_stop_with_one_line(tmp_path):
+    """A scheduler's SIGTERM exits 143 and Ctrl-C 130, each with one line naming the curve kept,
+    no traceback (the two runs side by side)."""
+    with ThreadPoolExecutor(2) as pool:
+        runs = {
+            name: pool.submit(_signalled_run, tmp_path / name, sig)
+            for name, sig in (("term", signal.SIGTERM), ("int", signal.SIGINT))
+        }
+        done = {name: f.result() for name, f in runs.items()}
+    for name, code, how in (("term", 143, "SIGTERM"), ("int", 130, "Ctrl-C")):
+        rc, err, seconds = done[name]
+        assert rc == code, (name, rc, err[-2000:])
+        assert "Traceback" not in err and "leaked" not in err, err[-2000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(f"plait: hogwild stopped by {how}") and "loss.jsonl" in last, last
+        assert seconds < 20, (name, seconds)  # the workers were stopped, not waited for
+        assert json.loads((tmp_path / name / "loss.jsonl").read_text().splitlines()[0])["updates"] == 0

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from plait.async_training.ps_checkpoint import load_shard, save_shard
 from plait.optim import build_optimizer, param_groups
 from plait.train.loop import lr_factor
 
@@ -238,12 +239,9 @@ class Shard:
             self.save(clock - clock % every)
 
     def save(self, clock: int) -> None:
-        """This shard, its optimizer state and clock, as run_dir/ps_checkpoints/step_N/serverS.pt:
-        written to a temporary name, then renamed (a crash leaves the previous one whole)."""
-        root = self.run_dir / "ps_checkpoints"
-        path = root / f"step_{clock}" / f"server{self.index}.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        """This shard, its optimizer state and clock, as run_dir/ps_checkpoints/step_N/serverS.pt
+        (`ps_checkpoint.save_shard`: renamed into place, the step's manifest written by the last
+        server to save it; a crash leaves the previous checkpoint whole)."""
         state = {
             "clock": clock,
             "updates": self.updates,
@@ -251,18 +249,12 @@ class Shard:
             "params": [p.detach().clone() for p in self.params],
             "optimizer": self.optimizer.state_dict(),
         }
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        save_shard(self.run_dir, self.index, self.servers, state, self.store, self.cfg.train.keep_checkpoints)
         self.saved = max(self.saved, clock)
-        keep = self.cfg.train.keep_checkpoints
-        steps = sorted(int(d.name[5:]) for d in root.glob("step_*") if (d / path.name).exists())
-        for old in steps[:-keep]:
-            (root / f"step_{old}" / path.name).unlink(missing_ok=True)
-            with contextlib.suppress(OSError):  # the last server out removes the directory
-                (root / f"step_{old}").rmdir()
 
     def load(self, path: Path) -> None:
-        state = torch.load(path, weights_only=False)
+        """Restore a shard `save` wrote (read as plain tensors: `ps_checkpoint.load_shard`)."""
+        state = load_shard(path, [p.numel() for p in self.params])
         with torch.no_grad():
             for p, v in zip(self.params, state["params"], strict=True):
                 p.copy_(v)

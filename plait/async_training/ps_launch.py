@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from plait.async_training.ps_checkpoint import choose_checkpoint
 from plait.async_training.ps_report import finish_run, truncate_logs
 
 
@@ -39,9 +40,10 @@ def _child_env() -> None:
 
 
 # TensorPipe logs a warning in every process whose peer leaves (a finished worker, a server at
-# the end, a dead worker that the launcher reports itself): noise in every run. Its C++ log level
-# is read when torch loads, before this process existed, so the lines are filtered instead.
-_PEER_LEFT = (b"tensorpipe_agent.cpp", b"encountered error when reading incoming request")
+# the end, a dead worker or server that the launcher reports itself): noise in every run, and
+# before the launcher's line when a server dies. Its C++ log level is read when torch loads,
+# before this process existed, so the lines are filtered instead.
+_PEER_LEFT = (b"tensorpipe_agent.cpp", b"encountered error when reading incoming re")  # request, response
 _STDERR: dict = {}
 
 
@@ -96,17 +98,41 @@ def _store(port: int, timeout_s: float):
 
 def _unfiltered_on_error(entry):
     """A child that raises prints its traceback (multiprocessing does) on the real stderr: the
-    filter's thread could not pass it on before the process exits."""
+    filter's thread could not pass it on before the process exits.
+
+    A connection lost to a peer (a worker's pull or push to a server that died) first waits for
+    the launcher, which sees the dead server, stops the job with its one line and kills this
+    process: the traceback would only come before that line and say less. It is printed if the
+    launcher has not done so within _LOST_PEER_GRACE_S (or is gone itself)."""
 
     @functools.wraps(entry)
     def run(*args):
         try:
             entry(*args)
-        except BaseException:
+        except BaseException as exc:
+            if _lost_peer(exc):
+                _await_launcher(_LOST_PEER_GRACE_S)
             _restore_stderr()
             raise
 
     return run
+
+
+_LOST_PEER_GRACE_S = 10.0
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """Whether `exc` is TensorPipe's report of a connection the peer closed or reset."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        mark in text for mark in ("ECONNRESET", "EPIPE", "EOF: end of file", "ECONNREFUSED")
+    )
+
+
+def _await_launcher(limit_s: float) -> None:
+    parent, deadline = os.getppid(), time.monotonic() + limit_s
+    while time.monotonic() < deadline and os.getppid() == parent:
+        time.sleep(0.05)
 
 
 @_unfiltered_on_error
@@ -167,28 +193,17 @@ def _leave() -> None:
     os._exit(0)
 
 
-def resume_clock(run_dir: Path, servers: int) -> int:
-    """The newest clock for which every server saved its shard (0: none)."""
-    from plait.errors import CheckpointError
+def resume_clock(cfg, run_dir: Path) -> tuple[int, str | None]:
+    """The newest clock for which every server saved a shard that verifies (`ps_checkpoint`), and
+    a line naming the newer ones skipped as damaged (None when none was)."""
+    from plait.async_training.param_server import key_ranges
+    from plait.models import GPT
+    from plait.train.config import model_config
 
-    root = run_dir / "ps_checkpoints"
-    whole = [
-        int(d.name[5:])
-        for d in root.glob("step_*")
-        if all((d / f"server{s}.pt").is_file() for s in range(servers))
-    ]
-    if not whole:
-        raise CheckpointError(f"--resume: {root} holds no complete parameter-server checkpoint")
-    step = root / f"step_{max(whole)}"
-    saved = len(list(step.glob("server*.pt")))
-    if saved != servers:
-        from plait.errors import ConfigError
-
-        raise ConfigError(
-            f"--resume: {step} holds {saved} server shards (key ranges) and ps.servers = {servers}; "
-            f"resume with --ps.servers {saved}"
-        )
-    return max(whole)
+    with torch.device("meta"):  # the sizes of each server's tensors: no memory, no initialisation
+        numels = [p.numel() for p in GPT(model_config(cfg)).parameters()]
+    ranges = key_ranges(numels, cfg.ps.servers)
+    return choose_checkpoint(run_dir, cfg.ps.servers, [numels[lo:hi] for lo, hi in ranges])
 
 
 def _how(code: int | None) -> str:
@@ -216,7 +231,9 @@ def launch_ps(cfg, resume: bool = False) -> int:
         cfg, held = claim_run(cfg, False)
         run_dir = Path(cfg.train.run_dir)
     with held:
-        start = resume_clock(run_dir, cfg.ps.servers) if resume else 0
+        start, note = resume_clock(cfg, run_dir) if resume else (0, None)
+        if note:
+            print(note, flush=True)
         (run_dir / "ps").mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml())
         truncate_logs(run_dir, start)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from plait.async_training.ps_checkpoint import read_params, seal
+
 
 def _read(path: Path) -> list[dict]:
     if not path.exists():
@@ -117,14 +119,9 @@ def load_final_model(cfg, run_dir: Path, clock: int):
     from plait.train.config import model_config
 
     model = GPT(model_config(cfg))  # not on the meta device: to_empty() would undo the weight tie
-    params = list(model.parameters())
-    i = 0
     with torch.no_grad():
-        for s in range(cfg.ps.servers):
-            path = run_dir / "ps_checkpoints" / f"step_{clock}" / f"server{s}.pt"
-            for v in torch.load(path, weights_only=False)["params"]:
-                params[i].copy_(v)
-                i += 1
+        for p, v in zip(model.parameters(), read_params(run_dir, clock, cfg.ps.servers), strict=True):
+            p.copy_(v)
     return model
 
 
@@ -136,6 +133,8 @@ def finish_run(cfg, run_dir: Path, start: int, dead: list[int], elapsed: float, 
 
     records = step_records(cfg, run_dir)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if cfg.log.tensorboard:
+        write_tensorboard(records, run_dir, start)
     servers = [_read_json(run_dir / "ps" / f"server{s}.json") for s in range(cfg.ps.servers)]
     stale = [r["staleness"] for r in _read(run_dir / "ps" / "server0.jsonl") if "staleness" in r]
     what = cfg.ps.consistency + (f" tau={cfg.ps.staleness}" if cfg.ps.consistency == "ssp" else "")
@@ -156,6 +155,7 @@ def finish_run(cfg, run_dir: Path, start: int, dead: list[int], elapsed: float, 
     last = min(cfg.train.steps, cfg.train.stop_at) if cfg.train.stop_at else cfg.train.steps
     if ok and all(s is not None for s in servers):
         clock = servers[0]["applied_clock"] if cfg.ps.consistency != "async" else last
+        seal(run_dir, clock, cfg.ps.servers)  # every server has exited: the shards are final
         corpus = load_corpus(cfg.data.corpus, cfg.data.held_out_fraction)
         model = load_final_model(cfg, run_dir, clock)
         val = eval_batches(corpus.val, model.cfg.seq_len, cfg.train.global_batch, cfg.train.eval_batches)
@@ -176,6 +176,19 @@ def finish_run(cfg, run_dir: Path, start: int, dead: list[int], elapsed: float, 
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"run dir: {run_dir} (metrics.jsonl, loss.png, staleness.png, ps_checkpoints/)", flush=True)
     return summary
+
+
+def write_tensorboard(records: list[dict], run_dir: Path, start: int) -> None:
+    """`[log] tensorboard = true`: this invocation's records (the steps after `start`) as scalars in
+    run_dir/tensorboard, as the trainer writes them, at the end of the run (the records are
+    assembled from every process's log then); a resumed run purges the events after `start`."""
+    from plait.train.tensorboard import TensorBoardWriter
+
+    writer = TensorBoardWriter(run_dir / "tensorboard", purge_step=start + 1 if start else None)
+    for r in records:
+        if r["step"] > start:
+            writer.write(r)
+    writer.close()
 
 
 def _read_json(path: Path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from plait.async_training.ps_export import export_ps, is_ps_run
 from plait.cli.args import Parser, parse_or_help
 from plait.models import GPTConfig
 from plait.train.export import DTYPES, META_CONFIG, export, exported_metadata
@@ -16,7 +17,9 @@ def _parser() -> Parser:
         "plain one-process GPT loads with load_state_dict(strict=True), whatever layout trained it; "
         "the header holds the model config (plait.train.export.load_exported rebuilds the model).",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (config.toml, checkpoints/)")
+    parser.add_argument(
+        "run_dir", metavar="RUN_DIR", help="a run directory (config.toml, checkpoints/ or ps_checkpoints/)"
+    )
     parser.add_argument(
         "--out",
         help="the file to write (default RUN_DIR/model.safetensors); for an hf:* model the save_pretrained "
@@ -33,7 +36,10 @@ def main(argv: list[str]) -> int:
     args = parse_or_help(_parser(), argv)
     if isinstance(args, int):
         return args
-    out = export(args.run_dir, args.out, step=args.step, dtype=args.dtype)
+    if is_ps_run(args.run_dir):  # trained by parameter servers: their checkpoints, ps_checkpoints/
+        out = export_ps(args.run_dir, args.out, step=args.step, dtype=args.dtype)
+    else:
+        out = export(args.run_dir, args.out, step=args.step, dtype=args.dtype)
     if out.is_dir():  # a Hugging Face model: a save_pretrained directory
         print(
             f"plait: exported {args.run_dir} ({args.dtype}) to {out} (save_pretrained: config.json, "

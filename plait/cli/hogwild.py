@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
+import signal
+import sys
 
 from plait.async_training.hogwild import MAX_UPDATES, MAX_WORKERS, OPTIMIZERS, HogwildConfig, describe
-from plait.async_training.hogwild_run import prepare_out_dir, run_to_dir
+from plait.async_training.hogwild_run import CURVE_FILE, prepare_out_dir, run_to_dir
 from plait.cli.args import Parser, float_in, int_in, parse_or_help
 
 
@@ -70,6 +72,14 @@ def _parser() -> Parser:
     return parser
 
 
+class _Terminated(Exception):
+    """SIGTERM (a scheduler, `kill`): raised in the main thread, so train_hogwild's cleanup runs."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated
+
+
 def main(argv: list[str]) -> int:
     args = parse_or_help(_parser(), argv)
     if isinstance(args, int):
@@ -90,7 +100,19 @@ def main(argv: list[str]) -> int:
     )
     cfg.validate()  # before the directory is made
     out_dir = prepare_out_dir(args.out)
-    result, files = run_to_dir(cfg, out_dir)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        result, files = run_to_dir(cfg, out_dir)
+    except (KeyboardInterrupt, _Terminated) as exc:  # the workers are stopped by train_hogwild
+        how, code = ("SIGTERM", 143) if isinstance(exc, _Terminated) else ("Ctrl-C", 130)
+        print(
+            f"plait: hogwild stopped by {how}; the loss curve so far is in {out_dir / CURVE_FILE} "
+            "(no summary.json)",
+            file=sys.stderr,
+        )
+        return code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.json:
         summary = result.summary()
         summary.pop("curve")

@@ -329,3 +329,14 @@ def load_checkpoint(path: str | Path, mesh: Mesh, engine, scheduler, sampler) ->
     if same_world:
         _set_rng_state(state[rng_key])
     return int(extra["step"])
+
+
+def write_manifest(path: str | Path, names: list[str], **fields) -> dict:
+    """Write `path`/MANIFEST.json with `fields` (the step, ...) and the size and SHA-256 of the
+    files `names` in `path`, atomically: what `verify_checkpoint` checks. For checkpoints saved
+    by other writers than `save_checkpoint` (the parameter servers' shards)."""
+    path = Path(path)
+    files = {n: {"sha256": _sha256(path / n), "bytes": (path / n).stat().st_size} for n in sorted(names)}
+    manifest = {**fields, "files": files}
+    _write_atomic(path / MANIFEST, json.dumps(manifest, indent=1))
+    return manifest

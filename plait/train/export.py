@@ -123,6 +123,11 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
                     f"{root} has no 'latest' pointer; choose a checkpoint with --step "
                     f"({', '.join(map(str, steps))})"
                 )
+            if (Path(run_dir) / "ps_checkpoints").is_dir():  # the servers' (async_training.ps_checkpoint)
+                raise CheckpointError(
+                    f"{run_dir} is a parameter-server run (ps_checkpoints/): export it with "
+                    f"plait export {run_dir}, or plait.async_training.ps_export.export_ps"
+                )
             raise CheckpointError(f"{root} holds no checkpoint to export: the run saved none yet")
         return path
     if step < 0:
