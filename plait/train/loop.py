@@ -106,6 +106,7 @@ def run(cfg: Config, resume: bool = False, peak_flops: float | None = None, rest
     finally:
         stop.uninstall(previous)
         mesh.close()
+        mesh.release_groups()
         dist.destroy_process_group()
 
 
