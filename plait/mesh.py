@@ -350,6 +350,17 @@ class Mesh:
             self.watchdog.stop(reason)
             self.watchdog = None
 
+    def release_groups(self) -> None:
+        """Forget this mesh's process groups (it cannot communicate afterwards). Call after
+        `close` and before `dist.destroy_process_group()`: a group that a Python object still
+        references outlives its destruction, with its gloo threads running into interpreter exit,
+        where their C++ destructors may abort a finished rank ("terminate called without an
+        active exception")."""
+        self._groups = dict.fromkeys(self._groups)
+        self._sub = {k: (*v[:3], None) for k, v in self._sub.items()}
+        self._combined = {}
+        self.device_mesh = None
+
     def __enter__(self) -> Mesh:
         return self
 

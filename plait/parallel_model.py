@@ -146,11 +146,11 @@ class ParallelModel:
         loss_sum = self.engine.forward_backward(list(zip(x.chunk(m), y.chunk(m))), 1.0 / y.numel())
         return comm.all_reduce_scalar(float(loss_sum), self.mesh, ("pp",)) / y.numel()
 
-    def step(self) -> float | None:
+    def step(self) -> float:
         """Clip the gradients' global norm to `grad_clip` (when set), take the optimizer step,
-        step the scheduler, and zero the gradients. Returns the norm before clipping (None
-        without clipping: `grad_norm()` computes it on request)."""
-        norm = self.engine.clip_grad_norm_(self.grad_clip) if self.grad_clip else None
+        step the scheduler, and zero the gradients. Returns the global gradient norm before
+        clipping (computed without clipping too: one small all-reduce)."""
+        norm = self.engine.clip_grad_norm_(self.grad_clip) if self.grad_clip else self.engine.grad_norm()
         self.engine.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -192,6 +192,11 @@ class ParallelModel:
         if self._owns_mesh:
             self.mesh.close()
         if self._owns_group and dist.is_initialized():
+            # Every rank leaves together (gloo torn down under a live peer can abort it), and no
+            # reference keeps a group, so destroying it joins its threads now, not at exit.
+            self.mesh.release_groups()
+            if self.world > 1:
+                dist.barrier()
             dist.destroy_process_group()
 
     def __enter__(self) -> ParallelModel:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import math
 import os
 import signal
@@ -170,16 +171,24 @@ def inject_fault(step: int, rank: int, cfg, engine=None) -> None:
     collective), finds its disk full (`enospc`: every disk-offload write from then on fails),
     dies at once (`kill`: SIGKILL, no traceback, no cleanup), sends SIGTERM to the launcher
     that started it (`sigterm`: a scheduler's pre-emption), or changes one value of its first
-    parameter (`perturb`: silent corruption of one replica). Only in the job's first attempt: a
-    job restarted by the launcher (train.max_restarts) runs clean."""
+    parameter (`perturb`: silent corruption of one replica), or sees for this step only a
+    non-finite loss (`nanloss`: its own loss sum is NaN, as an overflow in its forward gives) or
+    gradient norm (`nangrad`: a NaN gradient that no exchange spreads to the other ranks, e.g.
+    one replica's own). Several faults: RANK:STEP[:MODE],RANK:STEP[:MODE]. Only in the job's
+    first attempt: a job restarted by the launcher (train.max_restarts) runs clean."""
     spec = os.environ.get("PLAIT_FAIL_AT")
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0):
         return
-    at_rank, at_step, *mode = spec.split(":")
-    if (int(at_rank), int(at_step)) != (rank, step):
-        return
-    mode = mode[0] if mode else "raise"
-    if mode == "hang":
+    for one in spec.split(","):
+        at_rank, at_step, *mode = one.split(":")
+        if (int(at_rank), int(at_step)) == (rank, step):
+            _fault(mode[0] if mode else "raise", step, rank, cfg, engine)
+
+
+def _fault(mode: str, step: int, rank: int, cfg, engine) -> None:
+    if mode in ("nanloss", "nangrad"):
+        _poison_once(engine, mode)
+    elif mode == "hang":
         time.sleep(10 * cfg.comm.timeout_s)
     elif mode == "enospc":
         _fill_disk()
@@ -195,6 +204,22 @@ def inject_fault(step: int, rank: int, cfg, engine=None) -> None:
             held_parameters(engine)[0][1].view(-1)[0] += 1e-3
     else:
         raise RuntimeError(f"injected fault on rank {rank} at step {step} (PLAIT_FAIL_AT)")
+
+
+def _poison_once(engine, mode: str) -> None:
+    """For the coming step only, this rank's engine reports a NaN loss sum (`nanloss`) or a NaN
+    gradient norm before clipping (`nangrad`); the other ranks' values stay finite."""
+    name = "forward_backward" if mode == "nanloss" else "clip_grad_norm_"
+    names = (name,) if mode == "nanloss" else (name, "grad_norm")
+
+    def poisoned(*args, original, **kwargs):
+        for n in names:  # one step only: the engine's own methods again
+            engine.__dict__.pop(n, None)
+        value = original(*args, **kwargs)
+        return value * math.nan if torch.is_tensor(value) else math.nan
+
+    for n in names:
+        setattr(engine, n, functools.partial(poisoned, original=getattr(engine, n)))
 
 
 def _fill_disk() -> None:

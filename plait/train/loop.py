@@ -31,7 +31,13 @@ from plait.train.build import build_engine, micro_batches_per_step
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.train.config import Config, model_config
 from plait.train.metrics import MetricsWriter
-from plait.train.nonfinite import DIVERGED, clear_nonfinite_residuals, guard_nonfinite
+from plait.train.nonfinite import (
+    DIVERGED,
+    agree_finite,
+    clear_nonfinite_residuals,
+    guard_last_step,
+    guard_nonfinite,
+)
 from plait.train.peak import peak_flops_per_rank
 from plait.train.preempt import Preempted, StopRequest
 from plait.train.replicas import check_replicas
@@ -106,6 +112,7 @@ def run(cfg: Config, resume: bool = False, peak_flops: float | None = None, rest
     finally:
         stop.uninstall(previous)
         mesh.close()
+        mesh.release_groups()
         dist.destroy_process_group()
 
 
@@ -137,6 +144,7 @@ def _train(
         record = _train_step(run, step)
         loss = record["loss"]
         guard_nonfinite(run, step, record)
+        guard_last_step(run, step, record)
         if t.replica_check_every and step % t.replica_check_every == 0:
             record["replicas_checked"] = check_replicas(engine, mesh, step)
         window.steps += 1
@@ -328,7 +336,7 @@ def _train_step(run: Run, step: int) -> dict:
     grad_norm = engine.clip_grad_norm_(t.grad_clip) if t.grad_clip > 0 else engine.grad_norm()
     mesh.ledger.set_step(-1)  # the loss report is not part of the step's traffic
     loss = comm.all_reduce_scalar(float(local_sum), mesh, (*data_axes(mesh), "pp")) / run.tokens_per_step
-    # every rank sees the same loss and norm, so every rank takes the same decision
+    loss, grad_norm = agree_finite(mesh, loss, grad_norm)  # so every rank takes the same decision
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if finite:
         mesh.ledger.set_step(step)

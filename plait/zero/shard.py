@@ -99,7 +99,7 @@ class _Unit:
             for owner, attr in slots:
                 del owner._parameters[attr]
                 setattr(owner, attr, v)
-        self.flat.register_post_accumulate_grad_hook(self._on_grad)
+        self.hooks = [self.flat.register_post_accumulate_grad_hook(self._on_grad)]
 
     # --- parameters -------------------------------------------------------------------------
 
@@ -292,8 +292,10 @@ class ZeroStage3(ShardedEngine):
                 mine = [o for o in owned if self.axis_of(o[0]) == axis]
                 name = uname if len(axes) == 1 else f"{uname or '<root>'}[{axis}]"
                 u = _Unit(self, len(units), name, module, mine, axis)
-                module.register_forward_pre_hook(u.pre_forward)
-                module.register_forward_hook(u.post_forward)
+                u.hooks += [
+                    module.register_forward_pre_hook(u.pre_forward),
+                    module.register_forward_hook(u.post_forward),
+                ]
                 units.append(u)
         if not units:
             raise ConfigError("the module has no trainable parameters to shard")
@@ -345,6 +347,16 @@ class ZeroStage3(ShardedEngine):
         for u in self.units:
             if self.master_is_separate:
                 u.shard.copy_(u.group.master)
+
+    def close(self) -> None:
+        """Stop the optimizer side and remove the hooks: they and autograd's C++ references to
+        the flat parameters form a cycle that Python's collector cannot see, which would keep
+        the engine, the model and the mesh's process groups alive until the process exits."""
+        super().close()
+        for u in self.units:
+            for h in u.hooks:
+                h.remove()
+            u.hooks = []
 
     def memory(self) -> dict:
         """Model-state bytes held by this rank, counted from tensor storage."""
