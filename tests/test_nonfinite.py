@@ -15,16 +15,21 @@ import functools
 import math
 
 import pytest
-from conftest import SGD, TINY, fault_env, metrics, plait_train, side_by_side
+from conftest import SGD, TINY, assert_runs_match, fault_env, metrics, plait_train, side_by_side
 
 from plait.train.metrics import read_metrics
 
-DP2 = (*TINY, *SGD, "--parallel.dp", "2", "--train.log_every", "1")
+ONE = (*TINY, *SGD, "--model.n_layer", "2", "--parallel.dp", "1", "--train.log_every", "1")
+DP2 = (*TINY, *SGD, "--model.n_layer", "2", "--parallel.dp", "2", "--train.log_every", "1")
 PP2 = (*TINY, *SGD, "--model.n_layer", "2", "--parallel.dp", "1", "--parallel.pp", "2")
 PP2 = (*PP2, "--train.log_every", "1")
 # rank 1 (dp 2) / rank 0 (pp 2: the first stage) sees a NaN loss at step 3, rank 1 a NaN
 # gradient norm at step 5
-FAULTS = {"dp2": "1:3:nanloss,1:5:nangrad", "pp2": "0:3:nanloss,1:5:nangrad"}
+FAULTS = {
+    "dp2": "1:3:nanloss,1:5:nangrad",
+    "pp2": "0:3:nanloss,1:5:nangrad",
+    "one": "0:3:nanloss,0:5:nangrad",
+}
 DIVERGE = ("--parallel.dp", "1", "--train.steps", "12", "--train.lr", "1000", "--train.grad_clip", "0")
 
 
@@ -39,6 +44,7 @@ def runs(tmp_path_factory):
         {
             "dp2": functools.partial(job, "dp2", *DP2, env=fault_env(FAULTS["dp2"])),
             "pp2": functools.partial(job, "pp2", *PP2, env=fault_env(FAULTS["pp2"])),
+            "one": functools.partial(job, "one", *ONE, env=fault_env(FAULTS["one"])),
             "diverged": functools.partial(job, "diverged", *TINY, *DIVERGE),
         }
     )
@@ -76,3 +82,14 @@ def test_a_run_that_ends_while_skipping_says_so_and_exits_1(runs):
     assert f"the parameters are step {12 - n}'s" in r.stderr and skipped[-n:] == list(range(13 - n, 13))
     assert "held-out loss" not in r.stdout  # nothing reported as if the run had trained
     assert (run / ".plait-diverged").exists()  # a launcher's restart does not train it again
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_skipped_steps_leave_the_run_on_one_process_trajectory(runs, layout):
+    """The parity matrix with the fault: one process that skips steps 3 and 5 (its whole loss,
+    then its gradient norm, not finite) and each layout whose one rank alone saw them follow the
+    same trajectory, to 1e-5, on every step that was taken."""
+    (one, r1), (run, r) = runs["one"], runs[layout]
+    assert r1.returncode == 0 and r.returncode == 0, r1.stderr[-2000:] + r.stderr[-2000:]
+    assert [s for s, rec in sorted(metrics(one).items()) if rec.get("skipped")] == [3, 5]
+    assert_runs_match(run, one, steps=[1, 2, 4, 6, 7, 8], what=f"{layout} vs one process")
