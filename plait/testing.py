@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import math
 import os
 import signal
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from plait.comm.spawn import RankFailure, run_ranks  # noqa: F401  (the tests' launcher)
+from plait.state import group_options
 from plait.zero import offload_disk
 
 # --- parity helpers ---------------------------------------------------------------------------
@@ -213,4 +215,15 @@ def slow_hook(step: int, rank: int, cfg, engine=None) -> None:
         w, seconds = spec.split(":")
         if int(w) == rank:
             time.sleep(float(seconds))
+    inject_fault(step, rank, cfg, engine)
+
+
+def record_optimizer(step: int, rank: int, cfg, engine=None) -> None:
+    """A step hook (PLAIT_STEP_HOOK=plait.testing:record_optimizer) for the resume tests: rank 0
+    writes the optimizer's parameter-group options (lr, weight_decay, betas, ...) as the run's
+    first step starts to the JSON file PLAIT_RECORD_TO, once; PLAIT_FAIL_AT still applies."""
+    path = os.environ.get("PLAIT_RECORD_TO")
+    if path and rank == 0 and not os.path.exists(path):
+        with open(path, "w") as fh:
+            json.dump({"step": step, "groups": group_options(engine.optimizer)}, fh)
     inject_fault(step, rank, cfg, engine)
