@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
 from plait.comm.spawn import RankFailure, run_ranks  # noqa: F401  (the tests' launcher)
 from plait.state import group_options
@@ -169,7 +170,7 @@ def inject_fault(step: int, rank: int, cfg, engine=None) -> None:
     """A trainer step hook for the failure tests: run `plait train` with
     PLAIT_STEP_HOOK=plait.testing:inject_fault and PLAIT_FAIL_AT=RANK:STEP[:MODE], and at that
     step that rank raises (no MODE), hangs (`hang`: the others then wait for it in a
-    collective), finds its disk full (`enospc`: every disk-offload write from then on fails),
+    collective), finds its disk full (`enospc`: every disk-offload and checkpoint write from then on fails),
     dies at once (`kill`: SIGKILL, no traceback, no cleanup), sends SIGTERM to the launcher
     that started it (`sigterm`: a scheduler's pre-emption), or changes one value of its first
     parameter (`perturb`: silent corruption of one replica). Only in the job's first attempt: a
@@ -203,7 +204,12 @@ def _fill_disk() -> None:
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
+    def full_item(transforms, stream, *args, **kwargs):  # a checkpoint shard: part of it fits
+        stream.write(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), getattr(stream, "name", None))
+
     offload_disk._write_file = full
+    dcp_filesystem._write_item = full_item  # DCP's writer looks it up when it writes
 
 
 def slow_hook(step: int, rank: int, cfg, engine=None) -> None:

@@ -23,12 +23,14 @@ options, the LR schedule, the step, the sampler position, and every rank's RNG s
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -131,9 +133,9 @@ def save_checkpoint(
     try:
         dcp.save(state, checkpoint_id=str(tmp))
     except (Exception, CheckpointException) as exc:  # DCP raises a BaseException subclass
-        raise CheckpointError(
-            f"saving checkpoint of step {step} to {tmp} failed: {exc}; the previous checkpoint is intact"
-        ) from exc
+        if mesh.is_rank0:  # every rank raises (DCP gathers the failures): nothing writes there now
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial save must not keep holding the space
+        raise _save_failed(exc, step, tmp) from None
     comm.barrier(mesh)  # every rank's files are written
     if mesh.is_rank0:
         files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
@@ -148,6 +150,57 @@ def save_checkpoint(
         _prune(root, keep, step)
     comm.barrier(mesh)
     return final
+
+
+def _failures(exc: BaseException):
+    """`exc`, the per-rank failures DCP gathered into it, and their causes, depth first."""
+    yield exc
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            yield from _failures(failure[0] if isinstance(failure, tuple) else failure)
+    for nested in (exc.__cause__, exc.__context__):
+        if nested is not None and nested is not exc:
+            yield from _failures(nested)
+
+
+def _save_failed(exc: BaseException, step: int, tmp: Path) -> CheckpointError:
+    """One line for a failed save: what failed (a full disk named as such, with what is free),
+    and that the partial checkpoint was removed and the previous one is intact."""
+    root = tmp.parent
+    latest = read_latest(root)[0]
+    kept = f"the previous checkpoint is intact ({latest})" if latest else "no earlier checkpoint exists"
+    found = list(_failures(exc))
+    full = next((e for e in found if isinstance(e, OSError) and e.errno == errno.ENOSPC), None)
+    if full is not None:
+        try:
+            free = f"{shutil.disk_usage(root).free / 2**20:,.1f} MiB free there"
+        except OSError:
+            free = "free space unknown"
+        return CheckpointError(
+            f"saving the checkpoint of step {step}: No space left on device writing "
+            f"{full.filename or tmp} ({free}); {tmp.name} was removed and {kept}: free space on "
+            f"{root}'s file system or lower train.keep_checkpoints, then continue with --resume"
+        )
+    first = next((e for e in found if not isinstance(e, CheckpointException)), exc)
+    what = " ".join(str(first).split()) or type(first).__name__
+    return CheckpointError(
+        f"saving checkpoint of step {step} to {tmp} failed ({type(first).__name__}: {what[:300]}); "
+        f"{tmp.name} was removed and {kept}"
+    )
+
+
+def check_writable(root: Path) -> None:
+    """`root`, where a run saves its checkpoints, takes files: a one-line CheckpointError before
+    any rank starts, rather than a failed save after the first interval of training."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".plait-probe-"):
+            pass
+    except OSError as exc:
+        raise CheckpointError(
+            f"the checkpoint directory {root} is not writable ({exc.strerror or exc}): the run could "
+            "not save its checkpoints; make it writable, or copy the run to a writable place and "
+            "resume the copy"
+        ) from None
 
 
 def _all_finite(state: dict, mesh: Mesh) -> bool:
@@ -167,7 +220,7 @@ def _prune(root: Path, keep: int, saved: int) -> None:
     history and the newest checkpoint is the highest step. The checkpoint a resumed run started
     from is `latest` until the run saves its own (`choose_checkpoint`, then `set_latest`), so it
     is never pruned before a newer one exists."""
-    latest = (root / LATEST).read_text().strip() if (root / LATEST).exists() else None
+    latest = read_latest(root)[0]
     done = step_checkpoints(root)
     stale = [p for p in done if checkpoint_step(p) > saved]
     kept = [p for p in done if checkpoint_step(p) <= saved]
@@ -194,12 +247,34 @@ def set_latest(root: str | Path, path: str | Path) -> None:
     _write_atomic(Path(root) / LATEST, Path(path).name)
 
 
+def read_latest(root: str | Path) -> tuple[str | None, str | None]:
+    """(the checkpoint name `latest` holds, or None; why it holds none, or None when it is
+    missing): a pointer that is not UTF-8 text, or not a checkpoint's name, is damaged."""
+    pointer = Path(root) / LATEST
+    try:
+        raw = pointer.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{pointer} cannot be read ({exc.strerror or exc})"
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, f"{pointer} is damaged (not UTF-8 text)"
+    if checkpoint_step(name) is None or "/" in name:
+        return None, f"{pointer} is damaged (it holds {name[:40]!r}, not a checkpoint's name)"
+    return name, None
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     root = Path(root)
     pointer = root / LATEST
-    if not pointer.exists():
+    name, damaged = read_latest(root)
+    if damaged:
+        raise CheckpointError(damaged)
+    if name is None:
         return None
-    path = root / pointer.read_text().strip()
+    path = root / name
     if not path.is_dir():
         raise CheckpointError(
             f"{pointer} names {path.name}, which does not exist: the checkpoint was removed"
@@ -214,7 +289,7 @@ def choose_checkpoint(root: str | Path, asked: str | Path | None = None) -> tupl
     newest checkpoint (highest step) that verifies. Raises CheckpointError when none does."""
     root = Path(root)
     pointer = root / LATEST
-    latest = pointer.read_text().strip() if pointer.is_file() else None
+    latest, damaged_pointer = read_latest(root)
     if asked is not None:
         asked = Path(asked)
         if not asked.is_dir() and (step := checkpoint_step(asked)) is not None:
@@ -230,7 +305,9 @@ def choose_checkpoint(root: str | Path, asked: str | Path | None = None) -> tupl
                 "removed when this run saves its first)"
             )
         return asked, note
-    if latest is None:
+    if damaged_pointer:
+        why = damaged_pointer
+    elif latest is None:
         why = f"{pointer} is missing"
     elif not (root / latest).is_dir():
         why = f"{pointer} names {latest}, which does not exist"
@@ -251,7 +328,7 @@ def choose_checkpoint(root: str | Path, asked: str | Path | None = None) -> tupl
             continue
         skipped = f" ({len(damaged)} newer one(s) failed too: {'; '.join(damaged)})" if damaged else ""
         return path, f"plait: {why}; resuming from {path.name}, the newest checkpoint that verifies{skipped}"
-    if latest is None and not damaged:
+    if latest is None and not damaged and not damaged_pointer:
         raise CheckpointError(f"--resume: {root} holds no checkpoint to resume from")
     raise CheckpointError(f"--resume: no checkpoint in {root} verifies: {'; '.join([why, *damaged])}")
 
