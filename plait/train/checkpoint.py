@@ -133,7 +133,9 @@ def save_checkpoint(
     try:
         dcp.save(state, checkpoint_id=str(tmp))
     except (Exception, CheckpointException) as exc:  # DCP raises a BaseException subclass
-        if mesh.is_rank0:  # every rank raises (DCP gathers the failures): nothing writes there now
+        with contextlib.suppress(Exception):  # every rank raises (DCP gathers the failures):
+            comm.barrier(mesh)  # once all are here, nothing writes into tmp any more
+        if mesh.is_rank0:
             shutil.rmtree(tmp, ignore_errors=True)  # a partial save must not keep holding the space
         raise _save_failed(exc, step, tmp) from None
     comm.barrier(mesh)  # every rank's files are written

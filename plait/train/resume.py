@@ -103,14 +103,13 @@ def check_resume_changes(old: Config, new: Config, given: list[str], run_dir) ->
         elif resume_rule(key) != FIXED:
             continue
         if was != now:
-            changed.append(f"{key} ({was!r} -> {now!r}: {why})")
+            changed.append(f"{key} cannot change on resume ({was!r} -> {now!r}: {why})")
     if changed:
         raise ConfigError(
-            f"--resume continues the run as configured; {', '.join(changed)} cannot change on resume: "
-            "start a new run instead. What may change: the layout (parallel.dp, tp, pp, ep, zero_stage, "
-            "...), "
-            "the schedule and optimizer options (train.lr, min_lr, warmup_steps, steps, weight_decay, beta1, "
-            "beta2, optim.momentum) and what the run reads as it goes (logging, checkpoints, clipping, "
+            f"--resume continues the run as configured; {'; '.join(changed)}: start a new run instead. "
+            "What may change: the layout (parallel.dp, tp, pp, ep, zero_stage, ...), the schedule and "
+            "optimizer options (train.lr, min_lr, warmup_steps, steps, weight_decay, beta1, beta2, "
+            "optim.momentum) and what the run reads as it goes (logging, checkpoints, clipping, "
             "compression, offload)"
         )
 
