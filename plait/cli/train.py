@@ -19,7 +19,10 @@ Train a GPT on the configured mesh. CONFIG defaults to plait's built-in defaults
 be overridden on the command line, e.g. `plait train configs/default.toml --train.steps 50`.
 --resume RUN_DIR continues the run in RUN_DIR from its latest checkpoint, with its config (from the
 newest one that verifies if `latest` is missing or damaged); --resume RUN_DIR/checkpoints/step_N
-continues from that one. One plait train at a time owns a run directory.
+continues from that one. One plait train at a time owns a run directory. On --resume the layout,
+the lr schedule (--train.lr, min_lr, warmup_steps, steps) and the optimizer options may change
+(the new schedule takes over from the step reached); what the checkpoint holds (model, data,
+batch, seed, optimizer) may not: docs/fault-tolerance.md.
 `plait export RUN_DIR` writes a run's model as one safetensors file (plait export --help).
 Sizes are bounded (steps at most 1e9, dimensions, degrees and batches at most 2**20), and a job
 that does not fit in memory is refused before start (PLAIT_MEMORY_CHECK=0 skips that check):

@@ -23,14 +23,12 @@ options, the LR schedule, the step, the sampler position, and every rank's RNG s
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import io
 import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -41,6 +39,7 @@ from plait import comm
 from plait.errors import CheckpointError, DivergedError
 from plait.mesh import Mesh
 from plait.state import group_options, set_group_options
+from plait.train.checkpoint_faults import save_failed
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
@@ -137,72 +136,23 @@ def save_checkpoint(
             comm.barrier(mesh)  # once all are here, nothing writes into tmp any more
         if mesh.is_rank0:
             shutil.rmtree(tmp, ignore_errors=True)  # a partial save must not keep holding the space
-        raise _save_failed(exc, step, tmp) from None
+        raise save_failed(exc, step, tmp, read_latest(root)[0]) from None
     comm.barrier(mesh)  # every rank's files are written
     if mesh.is_rank0:
-        files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
-        _write_atomic(
-            tmp / MANIFEST,
-            json.dumps({"step": step, "world_size": mesh.world_size, "files": files}, indent=1),
-        )
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_atomic(root / LATEST, final.name)
+        try:  # the manifest and `latest` need space too
+            files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+            manifest = {"step": step, "world_size": mesh.world_size, "files": files}
+            _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_atomic(root / LATEST, final.name)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise save_failed(exc, step, tmp, read_latest(root)[0]) from None
         _prune(root, keep, step)
     comm.barrier(mesh)
     return final
-
-
-def _failures(exc: BaseException):
-    """`exc`, the per-rank failures DCP gathered into it, and their causes, depth first."""
-    yield exc
-    if isinstance(exc, CheckpointException):
-        for failure in exc.failures.values():
-            yield from _failures(failure[0] if isinstance(failure, tuple) else failure)
-    for nested in (exc.__cause__, exc.__context__):
-        if nested is not None and nested is not exc:
-            yield from _failures(nested)
-
-
-def _save_failed(exc: BaseException, step: int, tmp: Path) -> CheckpointError:
-    """One line for a failed save: what failed (a full disk named as such, with what is free),
-    and that the partial checkpoint was removed and the previous one is intact."""
-    root = tmp.parent
-    latest = read_latest(root)[0]
-    kept = f"the previous checkpoint is intact ({latest})" if latest else "no earlier checkpoint exists"
-    found = list(_failures(exc))
-    full = next((e for e in found if isinstance(e, OSError) and e.errno == errno.ENOSPC), None)
-    if full is not None:
-        try:
-            free = f"{shutil.disk_usage(root).free / 2**20:,.1f} MiB free there"
-        except OSError:
-            free = "free space unknown"
-        return CheckpointError(
-            f"saving the checkpoint of step {step}: No space left on device writing "
-            f"{full.filename or tmp} ({free}); {tmp.name} was removed and {kept}: free space on "
-            f"{root}'s file system or lower train.keep_checkpoints, then continue with --resume"
-        )
-    first = next((e for e in found if not isinstance(e, CheckpointException)), exc)
-    what = " ".join(str(first).split()) or type(first).__name__
-    return CheckpointError(
-        f"saving checkpoint of step {step} to {tmp} failed ({type(first).__name__}: {what[:300]}); "
-        f"{tmp.name} was removed and {kept}"
-    )
-
-
-def check_writable(root: Path) -> None:
-    """`root`, where a run saves its checkpoints, takes files: a one-line CheckpointError before
-    any rank starts, rather than a failed save after the first interval of training."""
-    try:
-        with tempfile.NamedTemporaryFile(dir=root, prefix=".plait-probe-"):
-            pass
-    except OSError as exc:
-        raise CheckpointError(
-            f"the checkpoint directory {root} is not writable ({exc.strerror or exc}): the run could "
-            "not save its checkpoints; make it writable, or copy the run to a writable place and "
-            "resume the copy"
-        ) from None
 
 
 def _all_finite(state: dict, mesh: Mesh) -> bool:

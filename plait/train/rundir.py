@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 from plait.errors import ConfigError, RunInUseError
-from plait.train.checkpoint import check_writable, checkpoint_step, choose_checkpoint, read_latest, set_latest
+from plait.train.checkpoint import checkpoint_step, choose_checkpoint, read_latest, set_latest
+from plait.train.checkpoint_faults import check_writable
 
 LOCK = "run.lock"
 
