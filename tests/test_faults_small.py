@@ -6,6 +6,7 @@ data, and MFU from a CPU peak measured under load. Each at the level a user meet
 command, run in a process of its own where it trains, in this one where it is refused before
 start."""
 
+import functools
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import TINY, fault_env, metrics, plait_train
+from conftest import TINY, fault_env, metrics, plait_train, side_by_side
 
 import plait.train.peak as peak
 import plait.train.preflight as preflight
@@ -25,63 +26,6 @@ from plait.train.checkpoint import verify_checkpoint
 from plait.train.peak import REMEASURE, _key
 
 FAST = ["--train.peak_tflops", "1"]  # no peak measurement on the way to a refusal
-
-
-@pytest.fixture
-def no_ranks(monkeypatch):
-    """Starting ranks (in this process or spawned) is recorded instead of done."""
-    calls = []
-    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
-    monkeypatch.setattr("plait.train.loop.run", lambda *a, **k: calls.append("in-process"))
-    monkeypatch.setattr(
-        "torch.distributed.launcher.api.elastic_launch", lambda *a, **k: lambda *args: calls.append("spawned")
-    )
-    return calls
-
-
-def _one_line(capsys, code: int, want: int, prefix: str = "plait: ") -> str:
-    out = capsys.readouterr()
-    err = out.err.strip()
-    assert code == want, (code, out.err)
-    assert err.startswith(prefix) and "\n" not in err and "Traceback" not in out.err + out.out, err
-    return err
-
-
-def test_checkpoint_faults_are_one_line_and_the_run_continues(tmp_path, capsys, no_ranks):
-    run = tmp_path / "run"
-    # the disk fills on rank 1 after step 6: the save of step 8 fails on it
-    r = plait_train(*TINY, "--train.run_dir", str(run), env=fault_env("1:6:enospc"))
-    assert r.returncode == 1, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    line = next(x for x in r.stderr.splitlines() if "No space left on device" in x)
-    tmp = run / "checkpoints" / "step_00000008.tmp"
-    assert f"writing {tmp}/" in line and re.search(r"\(\d[\d,.]* MiB free there\)", line), line
-    assert "step_00000008.tmp was removed and the previous checkpoint is intact (step_00000004)" in line
-    assert not tmp.exists() and sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        "latest",
-        "step_00000004",
-    ]
-    verify_checkpoint(run / "checkpoints" / "step_00000004")
-
-    # train.steps below the step reached: refused before start
-    err = _one_line(capsys, main(["train", "--resume", str(run), "--train.steps", "3"]), 2)
-    assert "train.steps = 3" in err and "step 4" in err, err
-    # an unwritable checkpoint directory: refused before any rank starts
-    ro = tmp_path / "read-only"
-    shutil.copytree(run, ro, ignore=shutil.ignore_patterns("checkpoints", "run.lock"))
-    os.symlink("/sys", ro / "checkpoints")  # a directory no one may write in, root included
-    err = _one_line(capsys, main(["train", "--resume", str(ro)]), 1)
-    assert "checkpoint directory" in err and "not writable" in err and str(ro) in err, err
-    assert no_ranks == []
-
-    # `latest` not UTF-8: export names it and the checkpoints to choose; --resume falls back
-    (run / "checkpoints" / "latest").write_bytes(b"step_\xff\xfe0004")
-    err = _one_line(capsys, main(["export", str(run)]), 1)
-    assert "latest is damaged (not UTF-8 text)" in err and "--step (4)" in err, err
-    r = plait_train("--resume", str(run), "--parallel.dp", "1", *FAST)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "latest is damaged (not UTF-8 text); resuming from step_00000004" in r.stdout, r.stdout
-    assert max(metrics(run)) == 8 and (run / "checkpoints" / "latest").read_text() == "step_00000008"
 
 
 FACTORIES = "plait_issue29_factories"
@@ -119,25 +63,103 @@ FACTORY_SOURCE = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def factories(tmp_path, monkeypatch):
-    (tmp_path / f"{FACTORIES}.py").write_text(FACTORY_SOURCE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield tmp_path
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The module's `plait train` runs, side by side: {name: (run dir, CompletedProcess)}, and
+    the factories' directory, on sys.path while the module's tests run.
+
+    * enospc: dp 2, rank 1's disk fills after step 6 (its save of step 8 fails);
+    * python: the `fits` factory, dp 1;
+    * mfu: dp 1 with a CPU peak cache of 1 kFLOP/s, as if measured on a very busy machine."""
+    base = tmp_path_factory.mktemp("small")
+    (base / f"{FACTORIES}.py").write_text(FACTORY_SOURCE)
+    cache = base / "cache" / "plait" / "peak.json"
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps(LOW_PEAKS))
+    python_env = {"PYTHONPATH": os.pathsep.join([str(base), os.environ.get("PYTHONPATH", "")])}
+    source = ["--model.source", f"python:{FACTORIES}:fits", "--model.d_model", "16", "--parallel.dp", "1"]
+    jobs = {
+        "enospc": ((*TINY,), fault_env("1:6:enospc")),
+        "python": ((*TINY, *source, *FAST), python_env),
+        "mfu": ((*TINY, "--parallel.dp", "1"), {"XDG_CACHE_HOME": str(base / "cache")}),
+    }
+
+    def job(name, args, env):
+        return base / name, plait_train(*args, "--train.run_dir", str(base / name), env=env)
+
+    sys.path.insert(0, str(base))  # (a run's process starts with this process's sys.path)
+    done = side_by_side({n: functools.partial(job, n, *spec) for n, spec in jobs.items()})
+    yield {**done, "factories": base, "cache": cache}
+    sys.path.remove(str(base))
     sys.modules.pop(FACTORIES, None)
 
 
-def test_python_runs_export_and_factories_that_do_not_fit_are_refused(factories, tmp_path, capsys, no_ranks):
+LOW_PEAKS = {_key(t, torch.float32): 1e3 / t for t in range(1, (os.cpu_count() or 1) + 1)}  # MFU ~1e6 %
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Starting ranks (in this process or spawned) is recorded instead of done."""
+    calls = []
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
+    monkeypatch.setattr("plait.train.loop.run", lambda *a, **k: calls.append("in-process"))
+    monkeypatch.setattr(
+        "torch.distributed.launcher.api.elastic_launch", lambda *a, **k: lambda *args: calls.append("spawned")
+    )
+    return calls
+
+
+def _one_line(capsys, code: int, want: int, prefix: str = "plait: ") -> str:
+    out = capsys.readouterr()
+    err = out.err.strip()
+    assert code == want, (code, out.err)
+    assert err.startswith(prefix) and "\n" not in err and "Traceback" not in out.err + out.out, err
+    return err
+
+
+def test_checkpoint_faults_are_one_line_and_the_run_continues(runs, tmp_path, capsys, no_ranks):
+    run, r = runs["enospc"]  # the disk fills on rank 1 after step 6: the save of step 8 fails on it
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    line = next(x for x in r.stderr.splitlines() if "No space left on device" in x)
+    tmp = run / "checkpoints" / "step_00000008.tmp"
+    assert f"writing {tmp}/" in line and re.search(r"\(\d[\d,.]* MiB free there\)", line), line
+    assert "step_00000008.tmp was removed and the previous checkpoint is intact (step_00000004)" in line
+    assert not tmp.exists() and sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "latest",
+        "step_00000004",
+    ]
+    verify_checkpoint(run / "checkpoints" / "step_00000004")
+
+    # train.steps below the step reached: refused before start
+    err = _one_line(capsys, main(["train", "--resume", str(run), "--train.steps", "3"]), 2)
+    assert "train.steps = 3" in err and "step 4" in err, err
+    # an unwritable checkpoint directory: refused before any rank starts
+    ro = tmp_path / "read-only"
+    shutil.copytree(run, ro, ignore=shutil.ignore_patterns("checkpoints", "run.lock"))
+    os.symlink("/sys", ro / "checkpoints")  # a directory no one may write in, root included
+    err = _one_line(capsys, main(["train", "--resume", str(ro)]), 1)
+    assert "checkpoint directory" in err and "not writable" in err and str(ro) in err, err
+    assert no_ranks == []
+
+    # `latest` not UTF-8: export names it and the checkpoints to choose; --resume falls back
+    (run / "checkpoints" / "latest").write_bytes(b"step_\xff\xfe0004")
+    err = _one_line(capsys, main(["export", str(run)]), 1)
+    assert "latest is damaged (not UTF-8 text)" in err and "--step (4)" in err, err
+    r = plait_train("--resume", str(run), "--parallel.dp", "1", *FAST)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "latest is damaged (not UTF-8 text); resuming from step_00000004" in r.stdout, r.stdout
+    assert max(metrics(run)) == 8 and (run / "checkpoints" / "latest").read_text() == "step_00000008"
+
+
+def test_python_runs_export_and_factories_that_do_not_fit_are_refused(runs, tmp_path, capsys, no_ranks):
     for func, words in (("small_vocab", ("emb has 100 rows", "255")), ("short_context", ("longer than",))):
         argv = ["train", "--model.source", f"python:{FACTORIES}:{func}", "--parallel.dp", "1", *FAST]
         err = _one_line(capsys, main([*argv, "--train.run_dir", str(tmp_path / func)]), 2)
         assert "model.source" in err and all(w in err for w in words), err
     assert no_ranks == []
 
-    run = tmp_path / "python-run"
-    env = {"PYTHONPATH": os.pathsep.join([str(factories), os.environ.get("PYTHONPATH", "")])}
-    source = ["--model.source", f"python:{FACTORIES}:fits", "--model.d_model", "16"]
-    r = plait_train(*TINY, *source, "--parallel.dp", "1", *FAST, "--train.run_dir", str(run), env=env)
+    run, r = runs["python"]
     assert r.returncode == 0, r.stderr[-3000:]
     code = main(["export", str(run)])
     out = capsys.readouterr()
@@ -181,22 +203,16 @@ def test_refusals_write_nothing_and_a_binary_corpus_warns(tmp_path, monkeypatch,
     assert "warning" not in capsys.readouterr().err
 
 
-def test_mfu_is_never_above_100_percent_and_a_low_cached_peak_is_measured_again(tmp_path):
+def test_mfu_is_never_above_100_percent_and_a_low_cached_peak_is_measured_again(runs):
     """A CPU peak measured on a busy machine (~/.cache/plait/peak.json), far too low, and a peak
-    for 2 threads below the one for 1."""
-    cache = tmp_path / "cache" / "plait" / "peak.json"
-    cache.parent.mkdir(parents=True)
-    threads = range(1, (os.cpu_count() or 1) + 1)
-    low = {_key(t, torch.float32): 1e3 / t for t in threads}  # 1 kFLOP/s: MFU ~1e6 %
-    cache.write_text(json.dumps(low))
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
-    r = plait_train(*TINY, "--parallel.dp", "1", "--train.run_dir", str(tmp_path / "run"), env=env)
+    for more threads below the one for fewer."""
+    run, r = runs["mfu"]
     assert r.returncode == 0, r.stderr[-3000:]
     shown = [float(m) for m in re.findall(r"MFU +([\d.]+)%", r.stdout)]
     assert shown and max(shown) <= 100.0, r.stdout
-    assert all(0 < m["mfu"] <= 1.0 for m in metrics(tmp_path / "run").values() if "mfu" in m)
-    after = json.loads(cache.read_text())
-    raised = [k for k in low if after[k] > low[k]]
+    assert all(0 < m["mfu"] <= 1.0 for m in metrics(run).values() if "mfu" in m)
+    after = json.loads(runs["cache"].read_text())
+    raised = [k for k in LOW_PEAKS if after[k] > LOW_PEAKS[k]]
     assert raised and set(raised) <= set(after[REMEASURE]), after  # measured again at the next start
 
 
