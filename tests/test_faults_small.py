@@ -33,6 +33,7 @@ FACTORY_SOURCE = textwrap.dedent(
     '''
     """Factories of tests/test_faults_small.py: a byte model of the user's own, and two that do
     not fit the data they will train on."""
+    import torch
     from torch import nn
 
     from plait.models import GPT, gpt_config
@@ -59,6 +60,20 @@ FACTORY_SOURCE = textwrap.dedent(
 
     def short_context(args):  # a context of 8 tokens for sequences of model.seq_len
         return GPT(gpt_config("tiny", seq_len=8, vocab_size=args.vocab_size))
+
+
+    class Positions(Net):  # learned positions, as GPT-2's wpe
+        def __init__(self, rows, d, vocab, positions):
+            super().__init__(rows, d, vocab)
+            self.wpe = nn.Embedding(positions, d)
+
+        def forward(self, idx):
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            return self.head(self.mix(self.emb(idx) + self.wpe(pos)).relu())
+
+
+    def short_positions(args):  # 8 positions for sequences of model.seq_len: an index error
+        return Positions(args.vocab_size, args.d_model, args.vocab_size, 8)
     '''
 )
 
@@ -153,7 +168,11 @@ def test_checkpoint_faults_are_one_line_and_the_run_continues(runs, tmp_path, ca
 
 
 def test_python_runs_export_and_factories_that_do_not_fit_are_refused(runs, tmp_path, capsys, no_ranks):
-    for func, words in (("small_vocab", ("emb has 100 rows", "255")), ("short_context", ("longer than",))):
+    for func, words in (
+        ("small_vocab", ("embedding emb has 100 rows", "token ids go up to model.vocab_size - 1 = 255")),
+        ("short_context", ("longer than",)),
+        ("short_positions", ("embedding wpe has 8 rows", "positions go up to model.seq_len - 1 = 127")),
+    ):
         argv = ["train", "--model.source", f"python:{FACTORIES}:{func}", "--parallel.dp", "1", *FAST]
         err = _one_line(capsys, main([*argv, "--train.run_dir", str(tmp_path / func)]), 2)
         assert "model.source" in err and all(w in err for w in words), err

@@ -329,16 +329,24 @@ def _run_forward(model: nn.Module, args: ModelArgs, spec: str):
     cannot run (data-dependent steps) is not checked here and gives None."""
     device = next(iter(model.parameters()), torch.empty(0)).device
     idx = torch.zeros(1, args.seq_len, dtype=torch.long, device=device)
-    short = []  # (name, rows) of embeddings fed the token ids with fewer rows than the tokenizer's ids
+    short = []  # (name, rows, what they index) of embeddings too small for the data
 
     def takes_ids(name):
         def hook(module, inputs):
-            if inputs and inputs[0] is idx and module.num_embeddings < args.vocab_size:
-                short.append((name, module.num_embeddings))
+            if not inputs or not torch.is_tensor(inputs[0]):
+                return
+            rows, x = module.num_embeddings, inputs[0]
+            if x is idx and rows < args.vocab_size:
+                short.append(
+                    (name, rows, f"the token ids go up to model.vocab_size - 1 = {args.vocab_size - 1}")
+                )
+            elif _POSITIONS.search(name) and x.shape[-1:] == (args.seq_len,) and rows < args.seq_len:
+                short.append((name, rows, f"the positions go up to model.seq_len - 1 = {args.seq_len - 1}"))
 
         return hook
 
-    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    root = model.net if isinstance(model, PythonModel) else model  # the user's own names
+    embeddings = [(n, m) for n, m in root.named_modules() if isinstance(m, nn.Embedding)]
     handles = [m.register_forward_pre_hook(takes_ids(n)) for n, m in embeddings]
     try:
         with torch.no_grad():
@@ -351,11 +359,10 @@ def _run_forward(model: nn.Module, args: ModelArgs, spec: str):
         for h in handles:
             h.remove()
     if short:
-        name, rows = short[0]
+        name, rows, what = short[0]
         raise ConfigError(
-            f"{KEY} = {spec!r}: its embedding {name} has {rows} rows but the token ids go up to "
-            f"model.vocab_size - 1 = {args.vocab_size - 1} (data.tokenizer's): build it with "
-            "args.vocab_size rows"
+            f"{KEY} = {spec!r}: its embedding {name} has {rows} rows but {what}: build it from the "
+            "sizes the factory is called with (args.vocab_size, args.seq_len)"
         )
     if isinstance(out, Exception):
         what = " ".join(str(out).split())[:300]
@@ -365,6 +372,10 @@ def _run_forward(model: nn.Module, args: ModelArgs, spec: str):
             "sizes the factory is called with (args.seq_len, args.vocab_size)"
         )
     return out
+
+
+# a learned position table (GPT-2's wpe, position_embeddings, pos_emb, ...), fed positions 0..T-1
+_POSITIONS = re.compile(r"(^|\.)(wpe|pos\w*|position\w*)$")
 
 
 def _does_not_fit(exc: Exception) -> bool:
