@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
+import json
 import math
 import os
 import signal
@@ -20,8 +21,10 @@ import time
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
 from plait.comm.spawn import RankFailure, run_ranks  # noqa: F401  (the tests' launcher)
+from plait.state import group_options
 from plait.zero import offload_disk
 
 # --- parity helpers ---------------------------------------------------------------------------
@@ -168,7 +171,7 @@ def inject_fault(step: int, rank: int, cfg, engine=None) -> None:
     """A trainer step hook for the failure tests: run `plait train` with
     PLAIT_STEP_HOOK=plait.testing:inject_fault and PLAIT_FAIL_AT=RANK:STEP[:MODE], and at that
     step that rank raises (no MODE), hangs (`hang`: the others then wait for it in a
-    collective), finds its disk full (`enospc`: every disk-offload write from then on fails),
+    collective), finds its disk full (`enospc`: every disk-offload and checkpoint write from then on fails),
     dies at once (`kill`: SIGKILL, no traceback, no cleanup), sends SIGTERM to the launcher
     that started it (`sigterm`: a scheduler's pre-emption), or changes one value of its first
     parameter (`perturb`: silent corruption of one replica), or sees for this step only a
@@ -226,7 +229,12 @@ def _fill_disk() -> None:
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
+    def full_item(transforms, stream, *args, **kwargs):  # a checkpoint shard: part of it fits
+        stream.write(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), getattr(stream, "name", None))
+
     offload_disk._write_file = full
+    dcp_filesystem._write_item = full_item  # DCP's writer looks it up when it writes
 
 
 def slow_hook(step: int, rank: int, cfg, engine=None) -> None:
@@ -238,4 +246,15 @@ def slow_hook(step: int, rank: int, cfg, engine=None) -> None:
         w, seconds = spec.split(":")
         if int(w) == rank:
             time.sleep(float(seconds))
+    inject_fault(step, rank, cfg, engine)
+
+
+def record_optimizer(step: int, rank: int, cfg, engine=None) -> None:
+    """A step hook (PLAIT_STEP_HOOK=plait.testing:record_optimizer) for the resume tests: rank 0
+    writes the optimizer's parameter-group options (lr, weight_decay, betas, ...) as the run's
+    first step starts to the JSON file PLAIT_RECORD_TO, once; PLAIT_FAIL_AT still applies."""
+    path = os.environ.get("PLAIT_RECORD_TO")
+    if path and rank == 0 and not os.path.exists(path):
+        with open(path, "w") as fh:
+            json.dump({"step": step, "groups": group_options(engine.optimizer)}, fh)
     inject_fault(step, rank, cfg, engine)

@@ -7,7 +7,7 @@ import json
 from plait.async_training.ps_export import export_ps, is_ps_run
 from plait.cli.args import Parser, parse_or_help
 from plait.models import GPTConfig
-from plait.train.export import DTYPES, META_CONFIG, export, exported_metadata
+from plait.train.export import DTYPES, META_CONFIG, export, exported_header
 
 
 def _parser() -> Parser:
@@ -46,8 +46,12 @@ def main(argv: list[str]) -> int:
             "model.safetensors; transformers.AutoModelForCausalLM.from_pretrained loads it)"
         )
         return 0
-    meta = exported_metadata(out)
-    n = GPTConfig(**json.loads(meta[META_CONFIG])).n_params()
+    meta, n = exported_header(out)
+    if META_CONFIG in meta:
+        n = GPTConfig(**json.loads(meta[META_CONFIG])).n_params()
+        what = ""
+    else:  # a python: run: the factory's module's own state dict
+        what = f"; load it with load_state_dict into the module of {meta.get('plait.source')}"
     step = meta["plait.step"]
-    print(f"plait: exported step {step} of {args.run_dir} ({n:,} parameters, {args.dtype}) to {out}")
+    print(f"plait: exported step {step} of {args.run_dir} ({n:,} parameters, {args.dtype}) to {out}{what}")
     return 0

@@ -8,8 +8,9 @@ from pathlib import Path
 from plait.async_training.ps_launch import launch_ps
 from plait.errors import ConfigError
 from plait.planner.auto import resolve_auto
-from plait.train.config import describe_keys, load_config, parse_overrides
+from plait.train.config import describe_keys, load_config, parse_overrides, read_config
 from plait.train.launch import launch, under_launcher
+from plait.train.resume import check_resume_changes
 from plait.train.rundir import resume_target
 
 USAGE = """plait train [CONFIG.toml] [--section.key value ...] [--resume RUN_DIR]
@@ -18,30 +19,16 @@ Train a GPT on the configured mesh. CONFIG defaults to plait's built-in defaults
 be overridden on the command line, e.g. `plait train configs/default.toml --train.steps 50`.
 --resume RUN_DIR continues the run in RUN_DIR from its latest checkpoint, with its config (from the
 newest one that verifies if `latest` is missing or damaged); --resume RUN_DIR/checkpoints/step_N
-continues from that one. One plait train at a time owns a run directory.
+continues from that one. One plait train at a time owns a run directory. On --resume the layout,
+the lr schedule (--train.lr, min_lr, warmup_steps, steps) and the optimizer options may change
+(the new schedule takes over from the step reached); what the checkpoint holds (model, data,
+batch, seed, optimizer) may not: docs/fault-tolerance.md.
 `plait export RUN_DIR` writes a run's model as one safetensors file (plait export --help).
 Sizes are bounded (steps at most 1e9, dimensions, degrees and batches at most 2**20), and a job
 that does not fit in memory is refused before start (PLAIT_MEMORY_CHECK=0 skips that check):
 docs/fault-tolerance.md.
 Keys:
 """
-
-# Checkpoints are saved layout-free (plait.zero.state): a run may resume on another dp degree,
-# tensor- or expert-parallel degree, pipeline (degree, schedule, micro-batches), ZeRO stage, hybrid group or
-# bucket size, and DCP reads the shards the new layout needs.
-RESHARDABLE = (
-    "parallel.pp",
-    "parallel.schedule",
-    "parallel.microbatches",
-    "parallel.virtual_stages",
-    "parallel.dp",
-    "parallel.ep",
-    "parallel.tp",
-    "parallel.sequence_parallel",
-    "parallel.zero_stage",
-    "parallel.hybrid_shard",
-    "parallel.bucket_mb",
-)
 
 
 def main(argv: list[str]) -> int:
@@ -102,18 +89,11 @@ def _split_resume(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _resume_overrides(overrides: list[tuple[str, str]], resume_dir) -> list[tuple[str, str]]:
-    """A resumed run's overrides: only what may change on resume, and the run directory."""
-    changed = [
-        k
-        for k, _ in overrides
-        if (k.split(".")[0] in ("model", "data", "parallel") and k not in RESHARDABLE)
-        or k in ("train.global_batch", "train.micro_batches", "train.seed")
-    ]
-    if changed:
-        raise ConfigError(
-            f"--resume continues the run as configured; {', '.join(changed)} cannot change on resume "
-            "(the checkpoint holds that model and data layout): start a new run instead. "
-            f"What may change: {', '.join(RESHARDABLE)} and the [offload] keys"
-        )
+    """A resumed run's overrides, checked against the run's config.toml key by key
+    (`plait.train.resume`): a key the checkpoint fixes may not change; the run directory is
+    --resume's."""
+    config = Path(resume_dir) / "config.toml"
+    given = [k for k, _ in overrides]
+    check_resume_changes(read_config(config), read_config(config, overrides), given, resume_dir)
     # A resumed run goes to the end unless told otherwise: the interruption is not part of the config.
     return [("train.stop_at", "0"), *overrides, ("train.run_dir", str(resume_dir))]

@@ -117,6 +117,34 @@ def read_corpus(spec: str) -> bytes:
     return SEPARATOR.join(docs)
 
 
+_SNIFF = 1 << 16  # bytes of each file looked at
+
+
+def binary_note(spec: str) -> str | None:
+    """A line saying that the corpus does not look like text (a NUL byte, or bytes that are not
+    UTF-8, in the first 64 KiB of one of its files), or None. The bytes tokenizer trains on any
+    bytes, so a wrong file (an archive, a binary) would train without complaint."""
+    for path, _ in corpus_files(spec) or []:
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(_SNIFF)
+        except OSError:
+            continue
+        bad = head.find(b"\0")
+        if bad < 0:
+            try:
+                head.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                # a multi-byte character cut by the 64 KiB window is still text
+                bad = exc.start if exc.start < len(head) - 3 else -1
+        if bad >= 0:
+            return (
+                f"data.corpus = {spec!r}: {path} does not look like text (byte 0x{head[bad]:02x} at offset "
+                f"{bad}); the bytes tokenizer trains on its raw bytes: is it the right file?"
+            )
+    return None
+
+
 def fingerprint(spec: str) -> str:
     """A hash of the corpus content: the raw bytes and relative names of its files (hex, 32 chars)."""
     h = hashlib.blake2b(_FORMAT, digest_size=16)

@@ -316,21 +316,82 @@ def check_source(cfg, n_stages: int) -> None:
             f"parallel.pp x virtual_stages = {n_stages} pipeline stages of equal size: use a pp x "
             "virtual_stages that divides it, or return (model, {'pipeline_split': ...})"
         )
-    if isinstance(model, PythonModel):
-        _check_output(model, args, spec)
+    out = _run_forward(model, args, spec)
+    if isinstance(model, PythonModel) and out is not None:
+        _check_output(out, args, spec)
 
 
-def _check_output(model: PythonModel, args: ModelArgs, spec: str) -> None:
-    """The adapted module must give logits (1, T, V >= vocab_size) for ids (1, T). On the meta
-    device this costs nothing; a module whose forward the meta device cannot run is not checked
-    here (its first step will say what is wrong)."""
+def _run_forward(model: nn.Module, args: ModelArgs, spec: str):
+    """The module's output for ids (1, seq_len) (the adapted module's, or the contract's loss),
+    checked against the data it will train on: an embedding that takes the token ids has at least
+    vocab_size rows, and the forward does not fail (a sequence longer than the model's context, a
+    shape that does not fit). On the meta device this costs nothing; a forward the meta device
+    cannot run (data-dependent steps) is not checked here and gives None."""
     device = next(iter(model.parameters()), torch.empty(0)).device
     idx = torch.zeros(1, args.seq_len, dtype=torch.long, device=device)
+    short = []  # (name, rows, what they index) of embeddings too small for the data
+
+    def takes_ids(name):
+        def hook(module, inputs):
+            if not inputs or not torch.is_tensor(inputs[0]):
+                return
+            rows, x = module.num_embeddings, inputs[0]
+            if x is idx and rows < args.vocab_size:
+                short.append(
+                    (name, rows, f"the token ids go up to model.vocab_size - 1 = {args.vocab_size - 1}")
+                )
+            elif _POSITIONS.search(name) and x.shape[-1:] == (args.seq_len,) and rows < args.seq_len:
+                short.append((name, rows, f"the positions go up to model.seq_len - 1 = {args.seq_len - 1}"))
+
+        return hook
+
+    root = model.net if isinstance(model, PythonModel) else model  # the user's own names
+    embeddings = [(n, m) for n, m in root.named_modules() if isinstance(m, nn.Embedding)]
+    handles = [m.register_forward_pre_hook(takes_ids(n)) for n, m in embeddings]
     try:
         with torch.no_grad():
-            out = model.net(idx)
-    except Exception:
-        return
+            out = model.net(idx) if isinstance(model, PythonModel) else model(idx, idx, reduction="sum")
+    except Exception as exc:
+        if not (short or _does_not_fit(exc)):
+            return None
+        out = exc
+    finally:
+        for h in handles:
+            h.remove()
+    if short:
+        name, rows, what = short[0]
+        raise ConfigError(
+            f"{KEY} = {spec!r}: its embedding {name} has {rows} rows but {what}: build it from the "
+            "sizes the factory is called with (args.vocab_size, args.seq_len)"
+        )
+    if isinstance(out, Exception):
+        what = " ".join(str(out).split())[:300]
+        raise ConfigError(
+            f"{KEY} = {spec!r}: the model fails on token ids of shape (1, {args.seq_len}) (model.seq_len) "
+            f"and model.vocab_size = {args.vocab_size}: {type(out).__name__}: {what}; build it from the "
+            "sizes the factory is called with (args.seq_len, args.vocab_size)"
+        )
+    return out
+
+
+# a learned position table (GPT-2's wpe, position_embeddings, pos_emb, ...), fed positions 0..T-1
+_POSITIONS = re.compile(r"(^|\.)(wpe|pos\w*|position\w*)$")
+
+
+def _does_not_fit(exc: Exception) -> bool:
+    """Whether `exc` says that the model does not fit the data (a bad value, index or shape), not
+    that the meta device cannot run its forward (a step that needs the tensors' data)."""
+    text = str(exc).lower()
+    if isinstance(exc, NotImplementedError) or "meta" in text:
+        return False
+    if isinstance(exc, ValueError | IndexError | AssertionError):
+        return True
+    words = ("shape", "size", "broadcast", "dimension")
+    return isinstance(exc, RuntimeError) and any(w in text for w in words)
+
+
+def _check_output(out, args: ModelArgs, spec: str) -> None:
+    """The adapted module must give logits (1, T, V >= vocab_size) for ids (1, T)."""
     logits = _logits(out)
     if tuple(logits.shape[:2]) != (1, args.seq_len) or logits.shape[2] < args.vocab_size:
         raise ConfigError(

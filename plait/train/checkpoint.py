@@ -39,6 +39,7 @@ from plait import comm
 from plait.errors import CheckpointError, DivergedError
 from plait.mesh import Mesh
 from plait.state import group_options, set_group_options
+from plait.train.checkpoint_faults import save_failed
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
@@ -131,20 +132,24 @@ def save_checkpoint(
     try:
         dcp.save(state, checkpoint_id=str(tmp))
     except (Exception, CheckpointException) as exc:  # DCP raises a BaseException subclass
-        raise CheckpointError(
-            f"saving checkpoint of step {step} to {tmp} failed: {exc}; the previous checkpoint is intact"
-        ) from exc
+        with contextlib.suppress(Exception):  # every rank raises (DCP gathers the failures):
+            comm.barrier(mesh)  # once all are here, nothing writes into tmp any more
+        if mesh.is_rank0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial save must not keep holding the space
+        raise save_failed(exc, step, tmp, read_latest(root)[0]) from None
     comm.barrier(mesh)  # every rank's files are written
     if mesh.is_rank0:
-        files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
-        _write_atomic(
-            tmp / MANIFEST,
-            json.dumps({"step": step, "world_size": mesh.world_size, "files": files}, indent=1),
-        )
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_atomic(root / LATEST, final.name)
+        try:  # the manifest and `latest` need space too
+            files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+            manifest = {"step": step, "world_size": mesh.world_size, "files": files}
+            _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_atomic(root / LATEST, final.name)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise save_failed(exc, step, tmp, read_latest(root)[0]) from None
         _prune(root, keep, step)
     comm.barrier(mesh)
     return final
@@ -167,7 +172,7 @@ def _prune(root: Path, keep: int, saved: int) -> None:
     history and the newest checkpoint is the highest step. The checkpoint a resumed run started
     from is `latest` until the run saves its own (`choose_checkpoint`, then `set_latest`), so it
     is never pruned before a newer one exists."""
-    latest = (root / LATEST).read_text().strip() if (root / LATEST).exists() else None
+    latest = read_latest(root)[0]
     done = step_checkpoints(root)
     stale = [p for p in done if checkpoint_step(p) > saved]
     kept = [p for p in done if checkpoint_step(p) <= saved]
@@ -194,12 +199,34 @@ def set_latest(root: str | Path, path: str | Path) -> None:
     _write_atomic(Path(root) / LATEST, Path(path).name)
 
 
+def read_latest(root: str | Path) -> tuple[str | None, str | None]:
+    """(the checkpoint name `latest` holds, or None; why it holds none, or None when it is
+    missing): a pointer that is not UTF-8 text, or not a checkpoint's name, is damaged."""
+    pointer = Path(root) / LATEST
+    try:
+        raw = pointer.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{pointer} cannot be read ({exc.strerror or exc})"
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, f"{pointer} is damaged (not UTF-8 text)"
+    if checkpoint_step(name) is None or "/" in name:
+        return None, f"{pointer} is damaged (it holds {name[:40]!r}, not a checkpoint's name)"
+    return name, None
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     root = Path(root)
     pointer = root / LATEST
-    if not pointer.exists():
+    name, damaged = read_latest(root)
+    if damaged:
+        raise CheckpointError(damaged)
+    if name is None:
         return None
-    path = root / pointer.read_text().strip()
+    path = root / name
     if not path.is_dir():
         raise CheckpointError(
             f"{pointer} names {path.name}, which does not exist: the checkpoint was removed"
@@ -214,7 +241,7 @@ def choose_checkpoint(root: str | Path, asked: str | Path | None = None) -> tupl
     newest checkpoint (highest step) that verifies. Raises CheckpointError when none does."""
     root = Path(root)
     pointer = root / LATEST
-    latest = pointer.read_text().strip() if pointer.is_file() else None
+    latest, damaged_pointer = read_latest(root)
     if asked is not None:
         asked = Path(asked)
         if not asked.is_dir() and (step := checkpoint_step(asked)) is not None:
@@ -230,7 +257,9 @@ def choose_checkpoint(root: str | Path, asked: str | Path | None = None) -> tupl
                 "removed when this run saves its first)"
             )
         return asked, note
-    if latest is None:
+    if damaged_pointer:
+        why = damaged_pointer
+    elif latest is None:
         why = f"{pointer} is missing"
     elif not (root / latest).is_dir():
         why = f"{pointer} names {latest}, which does not exist"
@@ -251,7 +280,7 @@ def choose_checkpoint(root: str | Path, asked: str | Path | None = None) -> tupl
             continue
         skipped = f" ({len(damaged)} newer one(s) failed too: {'; '.join(damaged)})" if damaged else ""
         return path, f"plait: {why}; resuming from {path.name}, the newest checkpoint that verifies{skipped}"
-    if latest is None and not damaged:
+    if latest is None and not damaged and not damaged_pointer:
         raise CheckpointError(f"--resume: {root} holds no checkpoint to resume from")
     raise CheckpointError(f"--resume: no checkpoint in {root} verifies: {'; '.join([why, *damaged])}")
 

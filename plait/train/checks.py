@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 from plait.comm.compress import COMPRESSIONS
 from plait.data import DistributedBatchSampler, load_corpus
+from plait.data.sources import binary_note
 from plait.data.tokenizer import MAX_BPE_VOCAB, tokenizer_vocab_size
 from plait.errors import ConfigError
 from plait.layout import OFFLOADS, ZERO_STAGES, Layout
@@ -350,6 +352,8 @@ def _check_data_fits(cfg, seq_len: int) -> None:
     ):
         tokenizer = str(saved)  # a resumed run keeps the tokenizer it was trained with
     corpus = load_corpus(d.corpus, d.held_out_fraction, tokenizer, d.vocab_size, d.cache_dir or None, True)
+    if tokenizer == "bytes" and (note := binary_note(d.corpus)):  # (a BPE refuses what is not UTF-8)
+        print(f"plait: warning: {note}", file=sys.stderr, flush=True)
     DistributedBatchSampler(
         corpus.train, seq_len, t.global_batch, 0, cfg.parallel.dp, t.seed, micro_batches=t.micro_batches
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -45,7 +46,7 @@ from plait.models.hf import HFCausalLM, hf_model_class
 from plait.models.hf_weights import save_hf
 from plait.models.python_source import PythonModel, build_python_model, model_args
 from plait.state import saved_shape
-from plait.train.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
+from plait.train.checkpoint import MANIFEST, latest_checkpoint, read_latest, verify_checkpoint
 from plait.train.config import Config, model_config, set_key
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -116,13 +117,13 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
     root = Path(run_dir) / "checkpoints"
     steps = completed_steps(root) if root.is_dir() else []
     if step is None:
-        path = latest_checkpoint(root) if root.is_dir() else None
+        damaged = read_latest(root)[1] if root.is_dir() else None
+        path = latest_checkpoint(root) if root.is_dir() and not damaged else None
         if path is None:
-            if steps:  # `latest` lost, complete checkpoints left: do not guess which is wanted
-                raise CheckpointError(
-                    f"{root} has no 'latest' pointer; choose a checkpoint with --step "
-                    f"({', '.join(map(str, steps))})"
-                )
+            if steps:  # `latest` lost or damaged, complete checkpoints left: do not guess which is wanted
+                why = damaged or f"{root} has no 'latest' pointer"
+                have = ", ".join(map(str, steps))
+                raise CheckpointError(f"{why}; choose a checkpoint with --step ({have})")
             if (Path(run_dir) / "ps_checkpoints").is_dir():  # the servers' (async_training.ps_checkpoint)
                 raise CheckpointError(
                     f"{run_dir} is a parameter-server run (ps_checkpoints/): export it with "
@@ -283,12 +284,19 @@ def _write_file(tensors, out: Path, metadata: dict, run_dir: Path, ckpt: Path, m
         safetensors.torch.save_file(tensors, str(tmp), metadata=metadata)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+            os.fchmod(fh.fileno(), 0o666 & ~_umask())  # a file's usual mode, not save_file's own
         os.replace(tmp, out)
         _copy_tokenizer(run_dir, out.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise ExportError(f"writing {out} failed ({exc}); nothing was written there") from None
     return out
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # read by setting it: put back at once
+    os.umask(mask)
+    return mask
 
 
 def _run_source(run_dir: Path) -> str:
@@ -344,16 +352,22 @@ def export_hf(run_dir: Path, mcfg, ckpt: Path, out: Path, dtype: str) -> Path:
 _HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
 
 
-def exported_metadata(path: str | Path) -> dict[str, str]:
-    """The header metadata of a file written by `export` (model config, ties, step, ...)."""
+def exported_header(path: str | Path) -> tuple[dict[str, str], int]:
+    """(the header metadata, the number of tensor elements) of a safetensors file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path} not found")
     try:
         with safe_open(str(path), framework="pt") as fh:
-            metadata = fh.metadata() or {}
+            n = sum(math.prod(fh.get_slice(k).get_shape()) for k in fh.keys())  # noqa: SIM118
+            return fh.metadata() or {}, n
     except Exception as exc:  # safetensors raises its own SafetensorError for a bad header
         raise ExportError(f"{path} is not a readable safetensors file ({exc})") from None
+
+
+def exported_metadata(path: str | Path) -> dict[str, str]:
+    """The header metadata of a file written by `export` (model config, ties, step, ...)."""
+    metadata = exported_header(path)[0]
     if META_CONFIG not in metadata and "plait.source" in metadata:
         raise ExportError(
             f"{path} holds the state dict of model.source = {metadata['plait.source']!r}: build the module "

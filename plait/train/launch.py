@@ -38,7 +38,7 @@ from plait.train import loop
 from plait.train.config import Config, config_from_dict
 from plait.train.peak import peak_flops_per_rank
 from plait.train.preempt import PREEMPTED_EXIT
-from plait.train.preflight import check_before_start, check_run_dir
+from plait.train.preflight import check_before_start
 from plait.train.rundir import claim_run, hold_run_dir
 
 # `loop.run` and `elastic_api.elastic_launch` are looked up when called, not bound here: the
@@ -114,16 +114,17 @@ def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = No
             loop.run(cfg, resume=resume, restart=restart)
         return 0
 
-    # the run directory, its lock and (on resume) its checkpoint, before any rank starts
-    if cfg.train.run_dir:  # a clear refusal for a directory that cannot be made or written
-        check_run_dir(cfg.train.run_dir)
+    # the devices, the run directory and the memory, then the directory's lock and (on resume)
+    # its checkpoint, before any rank starts: a job refused here writes nothing
+    use_cuda = _uses_cuda(cfg, world)
+    check_before_start(cfg, use_cuda=use_cuda, ranks=world)  # run directory writable, memory
     cfg, held = claim_run(cfg, resume, checkpoint)
     with held:
-        return _launch_here(cfg, world, resume)
+        return _launch_here(cfg, world, resume, use_cuda)
 
 
-def _launch_here(cfg: Config, world: int, resume: bool) -> int:
-    """Start the ranks on this machine (one: in this process) and wait for them."""
+def _uses_cuda(cfg: Config, world: int) -> bool:
+    """Whether the ranks run on GPUs (and this machine has `world` of them)."""
     use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
@@ -131,7 +132,11 @@ def _launch_here(cfg: Config, world: int, resume: bool) -> int:
         raise ConfigError(
             f"{world} ranks need {world} GPUs on this machine, found {torch.cuda.device_count()}"
         )
-    check_before_start(cfg, use_cuda=use_cuda, ranks=world)  # run directory writable, memory
+    return use_cuda
+
+
+def _launch_here(cfg: Config, world: int, resume: bool, use_cuda: bool) -> int:
+    """Start the ranks on this machine (one: in this process) and wait for them."""
     threads = _threads_per_rank(world)
     peak = None
     if not use_cuda:

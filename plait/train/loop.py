@@ -26,6 +26,7 @@ from plait.engine import Engine, ErrorFeedback, RecordsTimeline
 from plait.errors import CheckpointError, ConfigError, DivergedError
 from plait.mesh import Mesh, init_distributed
 from plait.models.source import build_model
+from plait.state import group_options
 from plait.train import report
 from plait.train.build import build_engine, micro_batches_per_step
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -41,6 +42,7 @@ from plait.train.nonfinite import (
 from plait.train.peak import peak_flops_per_rank
 from plait.train.preempt import Preempted, StopRequest
 from plait.train.replicas import check_replicas
+from plait.train.resume import reapply_config
 from plait.train.run_state import Run, data_axes, data_axis
 from plait.train.rundir import check_fresh_run_dir, create_run_dir
 
@@ -263,6 +265,8 @@ def _prepare_run_dir(cfg: Config, mesh: Mesh, resume: bool, restart: int) -> tup
     if mesh.is_rank0:
         if not resume and not restart:
             check_fresh_run_dir(run_dir)
+        if resume and not restart:  # resumed on purpose (e.g. with a lower train.lr after diverging)
+            (run_dir / DIVERGED).unlink(missing_ok=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(cfg.to_toml())
     comm.barrier(mesh)
@@ -276,8 +280,12 @@ def _resume_state(run_dir: Path, mesh: Mesh, engine: Engine, scheduler, sampler)
     path = latest_checkpoint(ckpt_root)
     if path is None:
         raise CheckpointError(f"--resume: {ckpt_root} holds no checkpoint to resume from")
+    fresh_groups, fresh_base_lrs = group_options(engine.optimizer), list(scheduler.base_lrs)
     start = load_checkpoint(path, mesh, engine, scheduler, sampler)
     report.say(mesh, f"resumed from {path} at step {start}")
+    # the configured lr schedule and optimizer options take over from the step reached
+    for line in reapply_config(engine.optimizer, scheduler, fresh_groups, fresh_base_lrs, start):
+        report.say(mesh, f"plait: resume: {line} (as now configured)")
     if mesh.is_rank0:
         report.truncate_metrics(run_dir, start)
     return start

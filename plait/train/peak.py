@@ -4,7 +4,10 @@ On a GPU the datasheet's dense peak for the compute dtype is used. On a CPU ther
 datasheet figure that means anything for PyTorch, so plait measures one: the best of a few
 large fp32 (or bf16) matrix multiplications with the number of threads each rank gets, cached
 in ~/.cache/plait/peak.json (keyed by CPU model, thread count, dtype and torch version) so the
-measurement runs once per machine.
+measurement runs once per machine. A measurement on a busy machine comes out low, so the cache
+never lets it stand: a key keeps the best figure ever measured, the peak for n threads is never
+below the one for fewer, and a run that goes faster than the cached peak raises it to what it
+achieved (MFU is never above 100%) and has it measured again at the next start.
 """
 
 from __future__ import annotations
@@ -71,19 +74,32 @@ def measure_peak_flops(
         torch.set_num_threads(previous)
 
 
-def cpu_peak_flops(threads: int, dtype: torch.dtype = torch.float32) -> float:
-    """The cached CPU peak for `threads` threads, measured on first use."""
-    key = f"{_cpu_model()}|threads={threads}|{dtype}|torch={torch.__version__}"
-    path = _cache_path()
-    cache = {}
+REMEASURE = "remeasure"  # in the cache: the keys a run found too low, measured again at the next start
+
+
+def _key(threads: int, dtype: torch.dtype) -> str:
+    return f"{_cpu_model()}|threads={threads}|{dtype}|torch={torch.__version__}"
+
+
+def _load() -> dict:
     try:
-        cache = json.loads(path.read_text())
+        cache = json.loads(_cache_path().read_text())
     except (OSError, ValueError):
-        pass
-    if key in cache:
-        return float(cache[key])
-    value = measure_peak_flops(threads, dtype)
-    cache[key] = value
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _record(key: str, value: float, remeasure: bool) -> dict:
+    """Merge one figure into the cache (re-read first: another process may have written it):
+    a key keeps the highest figure ever found for it. `remeasure` marks it to be measured again
+    at the next start (a run went faster than it); a measurement clears the mark."""
+    cache = _load()
+    old = cache.get(key)
+    cache[key] = max(value, float(old)) if isinstance(old, int | float) else value
+    marks = cache.get(REMEASURE) if isinstance(cache.get(REMEASURE), list) else []
+    marks = [k for k in marks if k != key]
+    cache[REMEASURE] = [*marks, key] if remeasure else marks
+    path = _cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -91,7 +107,34 @@ def cpu_peak_flops(threads: int, dtype: torch.dtype = torch.float32) -> float:
         os.replace(tmp, path)
     except OSError:
         pass  # an unwritable cache only costs a re-measurement
-    return value
+    return cache
+
+
+def _best_up_to(cache: dict, threads: int, dtype: torch.dtype) -> float:
+    """The cached peak for `threads` threads: never below the one for fewer threads (more threads
+    never make a matmul slower at best; a lower figure was measured on a busy machine)."""
+    values = [cache.get(_key(t, dtype)) for t in range(1, threads + 1)]
+    return max(float(v) for v in values if isinstance(v, int | float))
+
+
+def cpu_peak_flops(threads: int, dtype: torch.dtype = torch.float32) -> float:
+    """The cached CPU peak for `threads` threads, measured on first use and again after a run
+    found it too low (`raise_cpu_peak`); the cache keeps the best figure of all measurements."""
+    key = _key(threads, dtype)
+    cache = _load()
+    marks = cache.get(REMEASURE, [])
+    if not isinstance(cache.get(key), int | float) or (isinstance(marks, list) and key in marks):
+        cache = _record(key, measure_peak_flops(threads, dtype), remeasure=False)
+    return _best_up_to(cache, threads, dtype)
+
+
+def raise_cpu_peak(threads: int, dtype: torch.dtype, achieved: float, write: bool = True) -> float:
+    """A run did `achieved` FLOP/s per rank, more than the cached peak: the peak is at least that
+    (so MFU stays <= 100%). `write`: record it in the cache, marked for a new measurement at the
+    next start. Returns the new peak."""
+    if write:
+        _record(_key(threads, dtype), achieved, remeasure=True)
+    return achieved
 
 
 def gpu_peak_flops(device: torch.device, bf16: bool) -> float | None:

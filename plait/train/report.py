@@ -28,6 +28,7 @@ from plait.tensor_parallel import without_sequence_parallel
 from plait.train.build import describe_engine
 from plait.train.config import Config, model_config
 from plait.train.metrics import peak_memory_bytes, plot_loss_curve, read_metrics
+from plait.train.peak import raise_cpu_peak
 from plait.train.run_state import Run, data_axis
 
 
@@ -142,7 +143,12 @@ def log_step(run: Run, step: int, record: dict, window: Window) -> None:
     mesh = run.mesh
     elapsed = time.perf_counter() - window.t0
     tok_s = window.steps * run.tokens_per_step / elapsed
-    mfu = tok_s * run.flops_per_token / (run.peak_flops * mesh.world_size)
+    achieved = tok_s * run.flops_per_token / mesh.world_size  # model FLOP/s per rank
+    if achieved > run.peak_flops and mesh.device.type == "cpu" and not run.cfg.train.peak_tflops:
+        # the cached CPU peak was measured on a busy machine: it is at least what this run did
+        dtype = torch.bfloat16 if run.cfg.train.bf16 else torch.float32
+        run.peak_flops = raise_cpu_peak(torch.get_num_threads(), dtype, achieved, write=mesh.is_rank0)
+    mfu = achieved / run.peak_flops
     mem = peak_memory_bytes(mesh.device)
     record.update(
         model_state_bytes=run.engine.memory(),

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 from plait.errors import ConfigError, RunInUseError
-from plait.train.checkpoint import LATEST, choose_checkpoint, set_latest
+from plait.train.checkpoint import checkpoint_step, choose_checkpoint, read_latest, set_latest
+from plait.train.checkpoint_faults import check_writable
 
 LOCK = "run.lock"
 
@@ -165,8 +166,16 @@ def claim_run(cfg, resume: bool, checkpoint: str | Path | None = None):
     try:
         if resume:
             root = run_dir / "checkpoints"
+            if root.is_dir():
+                check_writable(root)
             path, note = choose_checkpoint(root, checkpoint)
-            if not (root / LATEST).is_file() or (root / LATEST).read_text().strip() != path.name:
+            reached = checkpoint_step(path)
+            if reached is not None and reached > cfg.train.steps:
+                raise ConfigError(
+                    f"train.steps = {cfg.train.steps}, but {path.name} is at step {reached}: give "
+                    f"train.steps > {reached} to train on, or resume an earlier checkpoint"
+                )
+            if read_latest(root)[0] != path.name:
                 set_latest(root, path)
             if note:
                 print(note, flush=True)
