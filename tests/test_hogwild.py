@@ -6,6 +6,13 @@ asks: at equal updates the final held-out loss of Hogwild is within 1% of one pr
 shared update count is exact, and the locked variant lands within the same 1% (not bitwise:
 the workers interleave differently from run to run). Speed is the benchmark's business
 (benchmarks/hogwild.py), never a test's.
+
+The held-out loss hardly sees a wrong step-size schedule (a decay 1.7x too fast or too slow in
+the workers moves it by 0.6-1.9%, where correct runs spread by up to 0.4%), so the check that
+decides is the L1 norm of the final weights, Σ|w|, against one process's: it is the sum of the
+steps taken, and the schedule scales every step. Its tolerance is set from measured spread
+(see L1_RTOL and docs/hogwild.md). A schedule wrong in one process too (the shared code) is
+caught by `test_one_process_is_adagrad_with_the_documented_decay`, a reference written here.
 """
 
 import json
@@ -20,11 +27,18 @@ import pytest
 import torch
 
 from plait.async_training import HogwildConfig, train_hogwild
-from plait.async_training.hogwild import worker_batches
+from plait.async_training.hogwild import ADAGRAD_EPS, worker_batches
 from plait.async_training.sparse_data import _HASH_MULT, MAX_N, build_problem, hashed_ngram_features
 from plait.cli import main
 
 UPDATES, BATCH = 24_000, 8
+# Σ|w| of 2 workers (lock-free or locked) over one process's, minus 1, at 24,000 updates of 8:
+# measured on 26 runs (16 lock-free, 10 locked; 2 shared cores, other jobs running) within
+# -0.0065..+0.0050 (standard deviation 0.0035). Planted schedule bugs moved it by -0.119..-0.123
+# (decay 1.7x too fast in the workers), +0.108..+0.111 (1.7x too slow) and +0.137..+0.148 (each
+# worker decaying on its own count, 2x too slow), 3 runs each: the tolerance is 3.8x the largest
+# measured spread and each bug moves the statistic by >= 4.3x it.
+L1_RTOL = 0.025
 
 
 def test_workers_partition_the_one_process_stream():
@@ -78,6 +92,10 @@ def test_hogwild_and_locked_follow_one_process_at_equal_updates(runs):
     assert one.final_loss < 0.8 * base_rate, (one.final_loss, base_rate)
     for name in ("hogwild", "locked"):
         r = results[name]
+        l1 = float(r.weights.abs().sum() / one.weights.abs().sum()) - 1
+        assert abs(l1) <= L1_RTOL, (
+            f"{name}: sum |w| {l1:+.4f} from one process's, {abs(l1) / L1_RTOL:.1f}x the tolerance {L1_RTOL}"
+        )
         rel = (r.final_loss - one.final_loss) / one.final_loss
         assert abs(rel) <= 0.01, (
             f"{name}: held-out loss {r.final_loss:.5f} vs one process {one.final_loss:.5f}"
@@ -85,6 +103,29 @@ def test_hogwild_and_locked_follow_one_process_at_equal_updates(runs):
         # the curve's last point is the final loss, and the run went downhill
         assert r.curve[-1]["val_loss"] == r.final_loss and r.curve[0]["val_loss"] > r.final_loss
         assert r.curve[-1]["train_loss"] is not None
+
+
+def adagrad_reference(problem, cfg: HogwildConfig) -> torch.Tensor:
+    """One process, written from the documented rule (docs/hogwild.md, Duchi et al. 2011 with
+    torch's lr_decay): at update t = 1, 2, ... of the stream, for the batch's (example, coordinate)
+    entries with g = sigmoid(z) - y: acc += g², w -= lr / (1 + (t - 1) lr_decay) · g / sqrt(acc)."""
+    x, y = problem.train_x, problem.train_y
+    w, acc = torch.zeros(cfg.n_features), torch.full((cfg.n_features,), ADAGRAD_EPS)
+    stream = torch.cat(list(worker_batches(x.shape[0], cfg.updates, cfg.batch, cfg.seed, 0, 1)))
+    for t, ids in enumerate(stream, start=1):
+        idx = x[ids].reshape(-1)
+        g = (torch.sigmoid(w[idx].view(len(ids), -1).sum(1)) - y[ids]).repeat_interleave(x.shape[1])
+        acc.index_add_(0, idx, g * g)
+        w.index_add_(0, idx, -cfg.lr / (1 + (t - 1) * cfg.lr_decay) * g / acc[idx].sqrt())
+    return w
+
+
+def test_one_process_is_adagrad_with_the_documented_decay(runs):
+    problem, _ = runs
+    cfg = HogwildConfig(workers=1, updates=3000, batch=BATCH, progress=False, eval_points=0)
+    got, want = train_hogwild(cfg, problem).weights, adagrad_reference(problem, cfg)
+    err, tol = float((got - want).abs().max()), 1e-5 * float(want.abs().max())
+    assert err <= tol, f"weights off by {err:.3g}, {err / tol:.1f}x the tolerance {tol:.3g}"
 
 
 def test_shared_update_count_is_exact(runs):

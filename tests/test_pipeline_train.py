@@ -16,16 +16,20 @@ PP = ("--model.n_layer", "4", "--parallel.dp", "1", "--parallel.pp", "2")
 
 @pytest.fixture(scope="module")
 def runs(shared_runs, tmp_path_factory):
-    """{name: (run dir, CompletedProcess)}: the job on dp=2 and on pp=2 under 1F1B and ZB-V, and
-    the 1F1B run as stopped after step 4 (`cut_copy`) resumed; side by side."""
+    """{name: (run dir, CompletedProcess)}: the job on one process, on dp=2 and on pp=2 under 1F1B
+    and ZB-V; the 1F1B run and the one-process run as stopped after step 4 (`cut_copy`) resumed
+    under 1F1B at pp=2 (no ZeRO); side by side."""
     base = tmp_path_factory.mktemp("pp")
     layouts = {
         "dp": ("--model.n_layer", "4", "--parallel.dp", "2"),
         "1f1b": (*PP, "--parallel.schedule", "1f1b"),
         "zb-v": (*PP, "--parallel.schedule", "zb-v", "--parallel.microbatches", "4"),
+        "one": ("--model.n_layer", "4", "--parallel.dp", "1"),
     }
     jobs = {name: shared_runs.job(*TINY, *extra) for name, extra in layouts.items()}
     jobs["resumed"] = resume_job(jobs["1f1b"], base / "resumed")
+    into_pp = (*PP[2:], "--parallel.schedule", "1f1b", "--parallel.zero_stage", "0", "--parallel.tp", "1")
+    jobs["one-to-pp2"] = resume_job(jobs["one"], base / "one-to-pp2", *into_pp)
     done = side_by_side(jobs)
     for name in layouts:
         _, r = done[name]
@@ -61,6 +65,15 @@ def test_pipelined_checkpoint_resumes(runs):
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout and "step_00000004" in r.stdout
     assert_runs_match(run, runs["1f1b"][0], steps=range(5, 9), what="resumed 1f1b")
+
+
+def test_one_process_checkpoint_resumes_under_a_pipeline(runs):
+    """A one-process checkpoint resumed at pp=2 without ZeRO (the cell of the resume matrix that
+    test_compose.py leaves to this file): steps 5-8 follow the uninterrupted one-process run."""
+    run, r = runs["one-to-pp2"]
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout and "step_00000004" in r.stdout and "pipeline over 2 (1f1b" in r.stdout
+    assert_runs_match(run, runs["one"][0], steps=range(5, 9), what="one process resumed at pp=2")
 
 
 @pytest.mark.parametrize(

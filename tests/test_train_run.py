@@ -89,9 +89,16 @@ def test_layout_independent_losses(reference_run, dp_runs):
 
 
 ONE = ("--parallel.dp", "1")
+ACCUM = ("--train.micro_batches", "2")
 SGD_LAYOUTS = {
     "dp2 x 2 micro-batches": ("--parallel.dp", "2", "--train.micro_batches", "2"),
     "dp2 ZeRO-3": ("--parallel.dp", "2", "--parallel.zero_stage", "3"),
+    # accumulation under sharding at `plait train` level: ZeRO-2 accumulates whole gradients in
+    # its buckets (no_sync) and reduce-scatters once; ZeRO-3 reduce-scatters every micro-batch's
+    # gradient into its shard. (ZeRO-1 accumulates as plain data parallelism, the first row; it
+    # has a custom-loop case in test_custom_loop.py.)
+    "dp2 ZeRO-2 x 2 micro-batches": ("--parallel.dp", "2", "--parallel.zero_stage", "2", *ACCUM),
+    "dp2 ZeRO-3 x 2 micro-batches": ("--parallel.dp", "2", "--parallel.zero_stage", "3", *ACCUM),
     "tp2 + sequence parallel": (*ONE, "--parallel.tp", "2", "--parallel.sequence_parallel", "true"),
     "pp2 1F1B x 4 micro-batches": (*ONE, "--parallel.pp", "2", "--parallel.microbatches", "4"),
 }
@@ -99,8 +106,9 @@ SGD_LAYOUTS = {
 
 def test_sgd_without_clipping_every_layout_follows_one_process(tmp_path):
     """The parity matrix's scale-sensitive configuration: SGD with momentum, no clipping, a large
-    learning rate. Data parallel with accumulation, ZeRO-3, tensor + sequence parallel and a
-    pipeline each match one process's losses and gradient norms at every step."""
+    learning rate. Data parallel with accumulation, ZeRO-3, ZeRO-2 and ZeRO-3 with accumulation,
+    tensor + sequence parallel and a pipeline each match one process's losses and gradient norms
+    at every step."""
     model = ("--model.n_layer", "4", "--model.n_head", "4")
     dirs = {"one": tmp_path / "one", **{what: tmp_path / f"layout{i}" for i, what in enumerate(SGD_LAYOUTS)}}
     layouts = {"one": ("--parallel.dp", "1"), **SGD_LAYOUTS}
