@@ -62,6 +62,11 @@ class RunLock:
     def __init__(self, path: Path, fd: int | None):
         self.path, self._fd = path, fd
 
+    @property
+    def fd(self) -> int | None:
+        """The locked file's descriptor (None: not locked), for processes that share the hold."""
+        return self._fd
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock
