@@ -193,3 +193,102 @@ def test_sigterm_to_the_process_group_saves_the_step_reached(tmp_path):
         -3000:
     ]
     assert "Traceback" not in err
+
+
+def test_a_parameter_server_run_listens_on_loopback_only(tmp_path):
+    run = tmp_path / "run"
+    args = (
+        *TINY,
+        "--train.steps",
+        "200",
+        "--ps.servers",
+        "1",
+        "--parallel.dp",
+        "2",
+        "--train.log_every",
+        "1",
+    )
+    proc = start(run, *args, env={"PLAIT_STEP_HOOK": "plait.testing:slow_hook", "PLAIT_PS_SLOW": "0:0.1"})
+    try:
+        deadline = time.time() + 240
+        while not list(run.glob("ps/*")) and time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(2)  # the servers' and workers' RPC up
+        assert proc.poll() is None, proc.communicate()
+        assert_on_loopback(listening(session_pids(proc.pid)), "a parameter-server run")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+
+
+# A script of the user's own, written with torch alone: it joins the group, says it is ready and
+# waits (Ctrl-C ends it quietly: what a script does on Ctrl-C is its own business).
+SCRIPT = """
+import pathlib, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+pathlib.Path(sys.argv[1], f"ready{dist.get_rank()}").touch()
+try:
+    time.sleep(600)
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def _launch(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    where = tmp_path / name
+    where.mkdir()
+    script = where / "script.py"
+    script.write_text(SCRIPT)
+    cmd = [sys.executable, "-m", "plait.cli", "launch", "--nproc", "2", str(script), str(where)]
+    proc = subprocess.Popen(
+        cmd, text=True, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    return proc, where
+
+
+def _ready(proc: subprocess.Popen, where: Path) -> None:
+    deadline = time.time() + 240
+    while not ((where / "ready0").exists() and (where / "ready1").exists()):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+def test_plait_launch_listens_on_loopback_and_a_signal_ends_it_in_one_line(tmp_path):
+    """SIGTERM to `plait launch` (a scheduler's), Ctrl-C to its process group (a terminal's):
+    the ranks stop and the launcher says so in one line, exit 143 / 130, no traceback. While the
+    ranks run, every socket the launch listens on is on loopback."""
+    term, term_dir = _launch(tmp_path, "term")
+    ctrl_c, ctrl_c_dir = _launch(tmp_path, "ctrl-c")
+    _ready(term, term_dir)
+    assert_on_loopback(listening(session_pids(term.pid)), "plait launch --nproc 2")
+    term.send_signal(signal.SIGTERM)
+    _ready(ctrl_c, ctrl_c_dir)
+    os.killpg(ctrl_c.pid, signal.SIGINT)
+    for proc, code, line in (
+        (term, 143, "plait launch: stopped by SIGTERM; the ranks were stopped"),
+        (ctrl_c, 130, "plait launch: interrupted; the ranks were stopped"),
+    ):
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == code, err[-3000:]
+        # (torchrun's note on OMP_NUM_THREADS may come first)
+        assert [ln for ln in err.splitlines() if "plait" in ln] == [line], err[-3000:]
+        assert "Traceback" not in err and "death signal" not in err, err[-3000:]
+
+
+def test_plait_launch_refuses_an_absurd_nproc_at_once(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("print('never')\n")
+    t0 = time.time()
+    r = subprocess.run(
+        [sys.executable, "-m", "plait.cli", "launch", "--nproc", "100000", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and time.time() - t0 < 60, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--nproc" in lines[0] and "100000" in lines[0], r.stderr
+    assert f"between 1 and {4 * os.cpu_count()}" in lines[0], r.stderr
