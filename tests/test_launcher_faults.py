@@ -292,3 +292,22 @@ def test_plait_launch_refuses_an_absurd_nproc_at_once(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "--nproc" in lines[0] and "100000" in lines[0], r.stderr
     assert f"between 1 and {4 * os.cpu_count()}" in lines[0], r.stderr
+
+
+def test_a_closed_stdout_does_not_stop_the_run_and_a_log_file_gets_plain_progress_lines(tmp_path):
+    """`plait train ... 2> log | head -1`: the reader of stdout goes away after one line; the run
+    goes on to its end (metrics, checkpoints), and stderr, a file, holds plain progress lines,
+    not a progress bar's carriage-return frames."""
+    run, log = tmp_path / "run", tmp_path / "stderr.log"
+    with open(log, "w") as err:
+        proc = start(run, *DP2, "--train.progress", "true", stderr=err)
+        first = proc.stdout.readline()
+        proc.stdout.close()  # what `head -1` does after its line
+        proc.wait(timeout=240)
+    text = log.read_text()
+    assert first.startswith("plait:"), first
+    assert proc.returncode == 0, text[-3000:]
+    assert sorted(metrics(run)) == list(range(1, 9))
+    assert completed_steps(run / "checkpoints")[-1] == 8
+    assert "\r" not in text and "BrokenPipe" not in text, text[-3000:]
+    assert "train: step 8/8 (100%)" in text, text[-3000:]
