@@ -9,6 +9,7 @@ the ranks); a process is alive until it is a zombie (it has then closed its file
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
@@ -34,6 +35,22 @@ def start(run: Path, *args, env=None, **popen) -> subprocess.Popen:
     return subprocess.Popen(
         cmd, text=True, start_new_session=True, env={**os.environ, **(env or {})}, **popen
     )
+
+
+@contextlib.contextmanager
+def cleaned_up(*procs: subprocess.Popen):
+    """Whatever the test finds, no process of these sessions outlives it."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            for pid in session_pids(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> int:
@@ -142,27 +159,28 @@ def test_a_killed_launcher_takes_its_ranks_and_holds_the_run_until_they_are_gone
     shows that every socket it listens on is on loopback (gloo, the agent's and rank 0's stores)."""
     run = tmp_path / "run"
     proc = start(run, *DP2, "--train.steps", "200", env=SLOW)
-    wait_for_step(run, 5, proc)  # past the checkpoint of step 4
-    pids, ranks = session_pids(proc.pid), ranks_of(proc.pid)
-    assert len(ranks) == 2, (pids, ranks)
-    assert_on_loopback(listening(pids), "a dp 2 run")
-    refused = plait_train("--resume", str(run), timeout=120)
-    assert refused.returncode != 0 and "in use by another plait train" in refused.stderr, refused.stderr
+    with cleaned_up(proc):
+        wait_for_step(run, 5, proc)  # past the checkpoint of step 4
+        pids, ranks = session_pids(proc.pid), ranks_of(proc.pid)
+        assert len(ranks) == 2, (pids, ranks)
+        sockets = listening(pids)  # (checked at the end: the kill is the first thing under test)
+        refused = plait_train("--resume", str(run), timeout=120)
+        assert refused.returncode != 0 and "in use by another plait train" in refused.stderr, refused.stderr
 
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()  # (its pipes stay open while a rank, which writes to them, lives)
-    deadline = time.time() + 10
-    while (alive := [p for p in ranks if p in session_pids(proc.pid)]) and time.time() < deadline:
-        # the lock is held for as long as any rank lives
-        free = lock_is_free(run)
-        assert not (free and [p for p in ranks if p in session_pids(proc.pid)]), (
-            f"lock free while {alive} live"
-        )
-        time.sleep(0.02)
-    assert not alive, f"ranks of the killed launcher still live after 10 s: {alive}"
-    while session_pids(proc.pid) and time.time() < deadline:  # the fork server, the resource tracker
-        time.sleep(0.1)
-    assert not session_pids(proc.pid), "processes of the killed launcher's run still live after 10 s"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()  # (its pipes stay open while a rank, which writes to them, lives)
+        deadline = time.time() + 10
+        while (alive := [p for p in ranks if p in session_pids(proc.pid)]) and time.time() < deadline:
+            # the lock is held for as long as any rank lives
+            free = lock_is_free(run)
+            assert not (free and [p for p in ranks if p in session_pids(proc.pid)]), (
+                f"lock free, {alive} live"
+            )
+            time.sleep(0.02)
+        assert not alive, f"ranks of the killed launcher still live after 10 s: {alive}"
+        while session_pids(proc.pid) and time.time() < deadline:  # the fork server, the resource tracker
+            time.sleep(0.1)
+        assert not session_pids(proc.pid), "processes of the killed launcher's run still live after 10 s"
     proc.communicate(timeout=10)
     assert lock_is_free(run)
     reached = max(metrics(run))
@@ -170,6 +188,7 @@ def test_a_killed_launcher_takes_its_ranks_and_holds_the_run_until_they_are_gone
     again = plait_train("--resume", str(run), "--train.steps", str(reached + 2), timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
     assert max(metrics(run)) == reached + 2
+    assert_on_loopback(sockets, "a dp 2 run")
 
 
 def test_sigterm_to_the_process_group_saves_the_step_reached(tmp_path):
@@ -178,9 +197,10 @@ def test_sigterm_to_the_process_group_saves_the_step_reached(tmp_path):
     exits 143 and says so in one line."""
     run = tmp_path / "run"
     proc = start(run, *DP2, "--train.steps", "200", "--train.checkpoint_every", "5", env=SLOW)
-    wait_for_step(run, 6, proc)
-    os.killpg(proc.pid, signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    with cleaned_up(proc):
+        wait_for_step(run, 6, proc)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
     reached = max(metrics(run))
     assert completed_steps(run / "checkpoints")[-1] == reached, (
@@ -209,17 +229,16 @@ def test_a_parameter_server_run_listens_on_loopback_only(tmp_path):
         "1",
     )
     proc = start(run, *args, env={"PLAIT_STEP_HOOK": "plait.testing:slow_hook", "PLAIT_PS_SLOW": "0:0.1"})
-    try:
+    with cleaned_up(proc):
         deadline = time.time() + 240
         while not list(run.glob("ps/*")) and time.time() < deadline:
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.1)
         time.sleep(2)  # the servers' and workers' RPC up
         assert proc.poll() is None, proc.communicate()
-        assert_on_loopback(listening(session_pids(proc.pid)), "a parameter-server run")
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)
+        sockets = listening(session_pids(proc.pid))
+    proc.communicate(timeout=30)
+    assert_on_loopback(sockets, "a parameter-server run")
 
 
 # A script of the user's own, written with torch alone: it joins the group, says it is ready and
@@ -262,20 +281,23 @@ def test_plait_launch_listens_on_loopback_and_a_signal_ends_it_in_one_line(tmp_p
     ranks run, every socket the launch listens on is on loopback."""
     term, term_dir = _launch(tmp_path, "term")
     ctrl_c, ctrl_c_dir = _launch(tmp_path, "ctrl-c")
-    _ready(term, term_dir)
-    assert_on_loopback(listening(session_pids(term.pid)), "plait launch --nproc 2")
-    term.send_signal(signal.SIGTERM)
-    _ready(ctrl_c, ctrl_c_dir)
-    os.killpg(ctrl_c.pid, signal.SIGINT)
+    with cleaned_up(term, ctrl_c):
+        _ready(term, term_dir)
+        sockets = listening(session_pids(term.pid))
+        term.send_signal(signal.SIGTERM)
+        _ready(ctrl_c, ctrl_c_dir)
+        os.killpg(ctrl_c.pid, signal.SIGINT)
+        ends = {proc: proc.communicate(timeout=120)[1] for proc in (term, ctrl_c)}
     for proc, code, line in (
         (term, 143, "plait launch: stopped by SIGTERM; the ranks were stopped"),
         (ctrl_c, 130, "plait launch: interrupted; the ranks were stopped"),
     ):
-        _, err = proc.communicate(timeout=120)
+        err = ends[proc]
         assert proc.returncode == code, err[-3000:]
         # (torchrun's note on OMP_NUM_THREADS may come first)
         assert [ln for ln in err.splitlines() if "plait" in ln] == [line], err[-3000:]
         assert "Traceback" not in err and "death signal" not in err, err[-3000:]
+    assert_on_loopback(sockets, "plait launch --nproc 2")
 
 
 def test_plait_launch_refuses_an_absurd_nproc_at_once(tmp_path):
@@ -301,9 +323,10 @@ def test_a_closed_stdout_does_not_stop_the_run_and_a_log_file_gets_plain_progres
     run, log = tmp_path / "run", tmp_path / "stderr.log"
     with open(log, "w") as err:
         proc = start(run, *DP2, "--train.progress", "true", stderr=err)
-        first = proc.stdout.readline()
-        proc.stdout.close()  # what `head -1` does after its line
-        proc.wait(timeout=240)
+        with cleaned_up(proc):
+            first = proc.stdout.readline()
+            proc.stdout.close()  # what `head -1` does after its line
+            proc.wait(timeout=240)
     text = log.read_text()
     assert first.startswith("plait:"), first
     assert proc.returncode == 0, text[-3000:]

@@ -11,9 +11,9 @@
   is never stale; the file itself stays and means nothing while nobody holds it.
 * Who owns the run: the process that ran `plait train` (it holds the lock while its ranks run,
   which share its open lock file, so the lock lasts until the last of them has exited:
-  `plait.train.launch.SharedLock`; or while it runs the only rank itself), or, under an outer launcher such as torchrun, global
-  rank 0's process, which claims the directory before it joins the process group (the other
-  ranks wait for it at their first collective).
+  `plait.train.launch.SharedLock`; or while it runs the only rank itself), or, under an outer
+  launcher such as torchrun, global rank 0's process, which claims the directory before it
+  joins the process group (the other ranks wait for it at their first collective).
 """
 
 from __future__ import annotations
