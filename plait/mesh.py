@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from plait.comm.ledger import Ledger
+from plait.comm.ports import is_loopback, loopback_store
 from plait.comm.recorder import FlightRecorder, Watchdog
 from plait.errors import TopologyError
 
@@ -61,8 +62,28 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
             backend=backend_for(dev),
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=dev if dev.type == "cuda" else None,
+            **_loopback_rendezvous(timeout_s),
         )
     return dev
+
+
+def _loopback_rendezvous(timeout_s: float) -> dict:
+    """Rank 0's store for a group whose rendezvous address is this machine's loopback (one
+    node): hosted on 127.0.0.1 only, where torch's env:// rendezvous would listen on every
+    interface (`plait.comm.ports`). The other ranks, and every rank of a multi-node job (or one
+    that uses its agent's store), rendezvous as torch does."""
+    if (
+        os.environ["RANK"] != "0"
+        or not is_loopback(os.environ["MASTER_ADDR"])
+        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    ):
+        return {}
+    world = int(os.environ["WORLD_SIZE"])
+    store = loopback_store(
+        int(os.environ["MASTER_PORT"]), timeout_s, world_size=world, multi_tenant=True, wait_for_workers=False
+    )
+    # env:// puts the default group's keys under this prefix; the other ranks' rendezvous does
+    return {"store": dist.PrefixStore("default_pg", store), "rank": 0, "world_size": world}
 
 
 def _product(sizes: dict[str, int], axes: tuple[str, ...]):

@@ -215,9 +215,7 @@ def _how(code: int | None) -> str:
 def launch_ps(cfg, resume: bool = False) -> int:
     """Claim the run directory, start cfg.ps.servers servers and cfg.parallel.dp workers, and
     watch them until they finish; returns the exit code."""
-    from torch.distributed import TCPStore
-
-    from plait.comm.ports import free_port
+    from plait.comm.ports import free_port, listen_on_loopback, loopback_store
     from plait.train.rundir import claim_run, hold_run_dir
 
     if resume:
@@ -239,6 +237,10 @@ def launch_ps(cfg, resume: bool = False) -> int:
         truncate_logs(run_dir, start)
         port, rpc_port = free_port(), free_port()
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # one machine: the stores (this process hosts both, the RPC's too: every child joins it as
+        # a client) and TensorPipe's sockets on 127.0.0.1 only (plait.comm.ports)
+        listen_on_loopback()
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = str(True)
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # TensorPipe's notes on closed peers
         # On the CPU the children are forked from this process, which has imported torch and
         # plait and started no thread yet (the store comes after): a spawn would import torch
@@ -265,7 +267,8 @@ def launch_ps(cfg, resume: bool = False) -> int:
         t0 = time.time()
         for p in procs.values():
             p.start()
-        store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        store = loopback_store(port, wait_for_workers=False)
+        rpc_store = loopback_store(rpc_port, multi_tenant=True, wait_for_workers=False)  # noqa: F841 (held)
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             code, dead = _watch(cfg, procs, store)

@@ -9,6 +9,7 @@ from plait.async_training.ps_launch import launch_ps
 from plait.errors import ConfigError
 from plait.planner.auto import resolve_auto
 from plait.train.config import describe_keys, load_config, parse_overrides, read_config
+from plait.train.console import survive_closed_output
 from plait.train.launch import launch, under_launcher
 from plait.train.resume import check_resume_changes
 from plait.train.rundir import resume_target
@@ -35,6 +36,7 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE + describe_keys())
         return 0
+    survive_closed_output()  # `plait train | head -1`: the run goes on without its stdout
     resume_dir, rest = _split_resume(argv)
     config_path = None
     if rest and not rest[0].startswith("--"):

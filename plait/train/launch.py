@@ -9,7 +9,13 @@
   newest checkpoint) or prints the failing rank's own traceback (or the watchdog's report) as
   the root cause.
 * Signals: SIGTERM (a scheduler's pre-emption) makes every rank finish its step, save a
-  checkpoint and exit with 143; Ctrl-C (SIGINT) stops with 130, one line, no traceback.
+  checkpoint and exit with 143, whether it reaches the launcher alone or the whole process
+  group (the launcher passing it on is then the same request, not a second one: see
+  `plait.train.preempt.route_sigterm`); Ctrl-C (SIGINT) stops with 130, one line, no traceback.
+* The ranks die with the launcher, however it ends (SIGKILL included), and hold the run's lock
+  with it: `_die_with_launcher`, `SharedLock`.
+* Every store and gloo socket of a run on one machine listens on 127.0.0.1 only
+  (`plait.comm.ports`).
 
 Before any rank trains, the run's owner claims its directory (`plait.train.rundir`): this
 process, or global rank 0's under an outer launcher.
@@ -17,11 +23,15 @@ process, or global rank 0's under an outer launcher.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
+import multiprocessing.reduction
 import os
+import select
 import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -31,13 +41,14 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher import api as elastic_api
 
-from plait.comm.ports import free_port
+from plait.comm.ports import LOOPBACK, free_port, listen_on_loopback, loopback_store
 from plait.comm.recorder import WATCHDOG_PREFIX
 from plait.errors import ConfigError
 from plait.train import loop
 from plait.train.config import Config, config_from_dict
+from plait.train.console import survive_closed_output
 from plait.train.peak import peak_flops_per_rank
-from plait.train.preempt import PREEMPTED_EXIT
+from plait.train.preempt import PREEMPTED_EXIT, route_sigterm
 from plait.train.preflight import check_before_start
 from plait.train.rundir import claim_run, hold_run_dir
 
@@ -62,12 +73,17 @@ def _restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def _worker(cfg_dict: dict, resume: bool, peak: float | None, env: dict[str, str]) -> dict:
+def _worker(cfg_dict: dict, resume: bool, peak: float | None, env: dict[str, str], lock=None) -> dict:
     """Entry point of each rank (elastic_launch records its exception in the error file). A
     rank is forked from a server process started at the first launch, so it gets the launching
-    process's environment of now (`env`) on top of the agent's per-rank variables."""
+    process's environment of now (`env`) on top of the agent's per-rank variables, and the run
+    lock's open file (`lock`, a `SharedLock`: held until this rank exits)."""
     os.environ.update(env)  # the launcher runs unlaunched: no rank variables of its own to clash
+    launcher = int(os.environ[LAUNCHER_PID_ENV])
+    route_sigterm(launcher)  # before any other thread starts: they inherit SIGTERM blocked
+    _die_with_launcher(launcher)
     signal.signal(signal.SIGINT, _interrupt_once)
+    survive_closed_output()  # rank 0 writes to the launcher's stdout, which may be a closed pipe
     try:
         return loop.run(config_from_dict(cfg_dict), resume=resume, peak_flops=peak, restart=_restart_count())
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says it once
@@ -83,6 +99,72 @@ def _interrupt_once(signum, frame):
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT
 LAUNCHER_PID_ENV = "PLAIT_LAUNCHER_PID"  # the process that started the ranks (and got their signals)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_launcher(launcher: int) -> None:
+    """Make this rank die (SIGKILL) as soon as the launcher has exited, however it ended.
+
+    A rank's parent is multiprocessing's fork server, not the launcher, and the fork server
+    outlives the launcher while any rank lives (each rank holds the end of the pipe whose EOF
+    tells it to exit), so a parent-death signal (prctl PR_SET_PDEATHSIG) would not fire. A
+    thread waits instead on a pidfd of the launcher, which becomes readable when the launcher
+    exits: no polling, no PID reuse. SIGKILL, not SIGTERM: without the launcher nobody reports
+    a failure, restarts the job or frees a rank stuck in a collective, so a save started now
+    might never end; the newest checkpoint is where `--resume` starts.
+
+    torch's process wrapper asks for SIGINT when the parent (the fork server) dies; the fork
+    server dies of a SIGTERM to the process group (it has no handler), which would interrupt
+    the ranks while they save. That request is cleared: the launcher's exit is what counts."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
+    try:
+        pidfd = os.pidfd_open(launcher)
+    except ProcessLookupError:  # gone already (it died while this rank was being started)
+        os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3, not Linux): poll its PID
+        pidfd = None
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        else:
+            while _alive(launcher):
+                time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="plait-launcher-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class SharedLock:
+    """The run lock's open file, handed to each rank: multiprocessing's fork server passes
+    descriptors over a socket (SCM_RIGHTS), so every rank holds the same open file, and the
+    flock on it (`plait.train.rundir`) lasts until the launcher and the last rank have closed it.
+    A `plait train --resume` is thus refused while any rank of the run lives."""
+
+    def __init__(self, fd: int | None):
+        self.fd = fd
+
+    def __reduce__(self):
+        if self.fd is None:  # a file system without locks
+            return (SharedLock, (None,))
+        return (_lock_in_rank, (multiprocessing.reduction.DupFd(self.fd),))
+
+
+def _lock_in_rank(dup) -> SharedLock:
+    fd = dup.detach()
+    os.set_inheritable(fd, False)  # a program the rank runs does not hold the run
+    return SharedLock(fd)
 
 
 def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = None) -> int:
@@ -120,7 +202,7 @@ def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = No
     check_before_start(cfg, use_cuda=use_cuda, ranks=world)  # run directory writable, memory
     cfg, held = claim_run(cfg, resume, checkpoint)
     with held:
-        return _launch_here(cfg, world, resume, use_cuda)
+        return _launch_here(cfg, world, resume, use_cuda, SharedLock(held.fd))
 
 
 def _uses_cuda(cfg: Config, world: int) -> bool:
@@ -135,19 +217,23 @@ def _uses_cuda(cfg: Config, world: int) -> bool:
     return use_cuda
 
 
-def _launch_here(cfg: Config, world: int, resume: bool, use_cuda: bool) -> int:
+def _launch_here(
+    cfg: Config, world: int, resume: bool, use_cuda: bool, lock: SharedLock | None = None
+) -> int:
     """Start the ranks on this machine (one: in this process) and wait for them."""
     threads = _threads_per_rank(world)
     peak = None
     if not use_cuda:
         peak = peak_flops_per_rank(torch.device("cpu"), cfg.train.bf16, threads, cfg.train.peak_tflops)
+    listen_on_loopback()  # one machine: gloo's sockets on 127.0.0.1, in this process and the ranks
     if world == 1 and cfg.train.max_restarts == 0:
         return _run_in_this_process(cfg, resume, peak)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     t0 = time.time()
+    store = loopback_store()  # the agent's rendezvous store, hosted here for the launch's life
     try:
-        elastic_api.elastic_launch(_launch_config(cfg, world), entrypoint=_worker)(
-            cfg.to_dict(), resume, peak, dict(os.environ)
+        elastic_api.elastic_launch(_launch_config(cfg, world, store.port), entrypoint=_worker)(
+            cfg.to_dict(), resume, peak, dict(os.environ), lock
         )
     except ChildFailedError as exc:
         codes = {f.exitcode for f in exc.failures.values()}
@@ -194,9 +280,12 @@ def _run_in_this_process(cfg: Config, resume: bool, peak: float | None) -> int:
     return 0
 
 
-def _launch_config(cfg: Config, world: int) -> elastic_api.LaunchConfig:
+def _launch_config(cfg: Config, world: int, store_port: int | None = None) -> elastic_api.LaunchConfig:
     """The elastic agent's configuration for `world` ranks on this machine, and the process
-    settings its ranks inherit (set here, in the launching process)."""
+    settings its ranks inherit (set here, in the launching process). `store_port`: the
+    rendezvous store this process hosts on 127.0.0.1 (`loopback_store`); the agent joins it as a
+    client (c10d would host one on every interface), and rank 0's group store is on
+    127.0.0.1 too (`local_addr`, then `plait.mesh.init_distributed`)."""
     # A restarted group must not share the agent's store with the failed one: its ranks would
     # read the old group's addresses and fail to connect (pytorch/pytorch#135712). Each
     # attempt's rank 0 then hosts a store of its own on a fresh port.
@@ -220,7 +309,9 @@ def _launch_config(cfg: Config, world: int) -> elastic_api.LaunchConfig:
         nproc_per_node=world,
         run_id=f"plait-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_endpoint=f"{LOOPBACK}:{store_port or free_port()}",
+        rdzv_configs={"is_host": store_port is None},
+        local_addr=LOOPBACK,
         max_restarts=cfg.train.max_restarts,
         monitor_interval=0.1,
         start_method="forkserver",

@@ -25,6 +25,7 @@ from plait.moe.plot import plot_expert_load
 from plait.pipeline.render import render_png
 from plait.pipeline.simulate import Costs, simulate
 from plait.tensor_parallel import without_sequence_parallel
+from plait.train import console
 from plait.train.build import describe_engine
 from plait.train.config import Config, model_config
 from plait.train.metrics import peak_memory_bytes, plot_loss_curve, read_metrics
@@ -107,19 +108,10 @@ class Window:
     steps: int = 0
 
 
-def progress_bar(run: Run) -> tqdm:
-    """Rank 0's progress bar on stderr (train.progress), from the step the run starts at."""
-    t = run.cfg.train
-    return tqdm(
-        total=t.steps,
-        initial=run.start,
-        disable=not (run.mesh.is_rank0 and t.progress),
-        desc="train",
-        unit="step",
-        dynamic_ncols=True,
-        mininterval=1.0,
-        file=sys.stderr,
-    )
+def progress_bar(run: Run):
+    """Rank 0's progress on stderr (train.progress), from the step the run starts at: a bar on a
+    terminal, plain periodic lines in a log file (`plait.train.console`)."""
+    return console.progress(run.cfg.train.steps, run.start, run.mesh.is_rank0 and run.cfg.train.progress)
 
 
 def log_held_out(run: Run, step: int, record: dict, val_loss: float) -> None:

@@ -10,9 +10,10 @@
   releases the lock when the owner's process ends however it ends (a crash, SIGKILL), so a lock
   is never stale; the file itself stays and means nothing while nobody holds it.
 * Who owns the run: the process that ran `plait train` (it holds the lock while its ranks run,
-  or while it runs the only rank itself), or, under an outer launcher such as torchrun, global
-  rank 0's process, which claims the directory before it joins the process group (the other
-  ranks wait for it at their first collective).
+  which share its open lock file, so the lock lasts until the last of them has exited:
+  `plait.train.launch.SharedLock`; or while it runs the only rank itself), or, under an outer
+  launcher such as torchrun, global rank 0's process, which claims the directory before it
+  joins the process group (the other ranks wait for it at their first collective).
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class RunLock:
 
     def __init__(self, path: Path, fd: int | None):
         self.path, self._fd = path, fd
+
+    @property
+    def fd(self) -> int | None:
+        """The locked file's descriptor (None: not locked), for processes that share the hold."""
+        return self._fd
 
     def release(self) -> None:
         if self._fd is not None:
