@@ -121,11 +121,6 @@ def plan_of(lay: Layout, cl: Cluster, V: int = 96, L: int = 4) -> tuple[dict, di
 # ---- the tests ----------------------------------------------------------------------------------
 
 
-def test_a_plan_has_exactly_the_terms_this_file_pins():
-    out, terms = plan_of(Layout(dp=2), cluster())
-    assert set(terms) == TERMS, "a new term needs its closed-form test here"
-
-
 @pytest.mark.parametrize("n", [2, 4])
 def test_zero_volumes_are_2psi_and_3psi(n):
     """Rajbhandari et al. 2019 §7: per rank a step moves 2Ψ under DP and ZeRO-1/2 (reduce-scatter +
@@ -163,10 +158,9 @@ def test_zero_model_states_and_the_optimizer_step(n):
         assert t["optimizer_step_s"] == pytest.approx(2 * elems * 16 / MEM_BW, rel=EXACT), stage
     # offload: the host's Adam at its rate, the gradients down and the parameters up the PCIe link
     lay = Layout(dp=n, zero_stage=2, microbatch_size=2, offload="cpu")
-    out, t = plan_of(lay, cl := cluster(pcie_gbps=10.0, host_adam_params_per_s=1e8))
+    out, t = plan_of(lay, cluster(pcie_gbps=10.0, host_adam_params_per_s=1e8))
     assert t["optimizer_step_s"] == pytest.approx(psi / n / 1e8 + psi / n * 4 / 10e9, rel=EXACT)
     assert t["model_state_bytes"] == 2 * psi + 2 * shard  # the optimizer's 12 bytes on the host
-    assert cl.pcie_gbps == 10.0
 
 
 def test_data_parallel_overlaps_the_last_backward_and_zero3_gathers_behind_compute():
@@ -414,7 +408,7 @@ def test_plait_plan_json_prints_the_hand_worked_terms(tmp_path, capsys):
     code = main(["plan", *args])
     assert code == 0
     plans = {r["layout"]: r for r in json.loads(capsys.readouterr().out)["plans"]}
-    assert all(set(r["terms"]) == TERMS for r in plans.values())
+    assert all(set(r["terms"]) == TERMS for r in plans.values()), "a new term needs its test here"
     alpha, beta, psi = alpha_us * 1e-6, beta_gbps * 1e9, params_whole(V, L)
     rs, ag = ring("reduce_scatter", psi * 2, 2, alpha, beta), ring("all_gather", psi * 2, 2, alpha, beta)
     f, bw, w = passes(2 * S, L)
