@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 TESTS = {
-    "plait/gradsync.py": ["tests/test_gradsync.py"],
+    "plait/gradsync.py": ["tests/test_gradsync_units.py", "tests/test_gradsync.py"],
     "plait/train/nonfinite.py": ["tests/test_nonfinite_guard.py"],
     "plait/planner/cost_terms.py": ["tests/test_planner_terms.py"],
     "plait/planner/cost.py": ["tests/test_planner_terms.py"],
@@ -37,7 +37,12 @@ TESTS = {
 }
 """The fast test files that cover each module (a module not named here needs --tests)."""
 
-STANDALONE = {"tests/test_nonfinite_guard.py", "tests/test_planner_terms.py"}
+STANDALONE = {
+    "tests/test_gradsync_units.py",
+    "tests/test_gradsync.py",
+    "tests/test_nonfinite_guard.py",
+    "tests/test_planner_terms.py",
+}
 """Test files that need nothing of tests/conftest.py: run with --noconftest, which spares each
 mutant the forkserver conftest starts (seconds a run on a busy machine)."""
 
@@ -93,20 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     ]
     start = time.monotonic()
     print(f"mutate: {module} against {' '.join(tests)}", flush=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
     try:
         proc.wait(timeout=args.minutes * 60 or None)
     except subprocess.TimeoutExpired:
         print(f"mutate: stopping after {args.minutes:g} minutes; the score counts the mutants tested")
-        proc.send_signal(signal.SIGINT)  # mutmut puts its backup back on KeyboardInterrupt
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # mutmut, its test process and the tests' ranks: one session
+            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait()
         (ROOT / f"{module}.bak").unlink(missing_ok=True)
         if (ROOT / module).read_bytes() != source:
