@@ -95,6 +95,15 @@ def test_stop_ends_at_the_first_and_names_the_checkpoint_to_resume_from(tmp_path
     assert capsys.readouterr().out == ""
 
 
+def test_a_latest_pointer_to_a_removed_checkpoint_names_none(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    (ckpt / LATEST).write_text("step_9\n")  # removed by hand: latest_checkpoint raises, suppressed
+    with pytest.raises(DivergedError) as err:
+        guard_nonfinite(_run(tmp_path, nonfinite="stop"), 10, _step(False, 10))
+    assert str(err.value).endswith("train.nonfinite = 'stop'; no checkpoint was saved before it")
+
+
 def test_a_finite_step_resets_the_count_and_other_ranks_stay_quiet(tmp_path, capsys):
     run = _run(tmp_path, max_nonfinite=2, rank0=False)
     run.skipped_in_a_row = 1
