@@ -25,11 +25,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+_CALIBRATED = [  # the measured-collective path of the cost model (a fake calibration, 7 s)
+    "tests/test_planner.py::test_tensor_parallel_prices_the_collectives_plait_sends",
+    "tests/test_planner.py::test_the_step_sync_and_the_tp_share_enter_the_step",
+]
+
 TESTS = {
     "plait/gradsync.py": ["tests/test_gradsync_units.py", "tests/test_gradsync.py"],
     "plait/train/nonfinite.py": ["tests/test_nonfinite_guard.py"],
-    "plait/planner/cost_terms.py": ["tests/test_planner_terms.py"],
-    "plait/planner/cost.py": ["tests/test_planner_terms.py"],
+    "plait/planner/cost_terms.py": ["tests/test_planner_terms.py", *_CALIBRATED],
+    "plait/planner/cost.py": ["tests/test_planner_terms.py", *_CALIBRATED],
     "plait/planner/stages.py": [
         "tests/test_planner_terms.py",
         "tests/test_planner.py::test_inter_op_dp_equals_brute_force_on_random_cases",
@@ -42,6 +47,7 @@ STANDALONE = {
     "tests/test_gradsync.py",
     "tests/test_nonfinite_guard.py",
     "tests/test_planner_terms.py",
+    *_CALIBRATED,
 }
 """Test files that need nothing of tests/conftest.py: run with --noconftest, which spares each
 mutant the forkserver conftest starts (seconds a run on a busy machine)."""
