@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test lint format bench clean
+.PHONY: train test lint format bench clean mutate
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,3 +31,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Mutation testing of one module against its tests (tools/mutate.py maps them; TESTS= overrides):
+#   make mutate MODULE=plait/gradsync.py [TESTS="tests/test_x.py tests/test_y.py"]
+mutate: $(STAMP)
+	@test -n "$(MODULE)" || { echo "make mutate: name the module, e.g. MODULE=plait/gradsync.py"; exit 2; }
+	$(PY) tools/mutate.py $(MODULE) $(if $(TESTS),--tests $(TESTS))

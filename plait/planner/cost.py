@@ -59,7 +59,8 @@ __all__ = ["ACT_BYTES", "BUCKET_BYTES", "Layout", "evaluate", "stage_params"]
 
 def stage_params(cfg: GPTConfig, layout: Layout) -> int:
     """Parameters one device holds on the heaviest pipeline stage (the first, with the embeddings,
-    or the last, with ln_f and the head, whose copy of a tied embedding it keeps), after tp and ep."""
+    or the last, with ln_f and the head, whose copy of a tied embedding it keeps), after tp (which
+    splits all but the norms and the row-parallel biases) and ep."""
     h, V, s, L = cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.n_layer
     ln = h + h * int(cfg.bias)
     outside = V * h + s * h + ln + (0 if cfg.tie_weights else V * h)
@@ -67,8 +68,11 @@ def stage_params(cfg: GPTConfig, layout: Layout) -> int:
     mlp = 2 * h * cfg.ff_dim + int(cfg.bias) * (cfg.ff_dim + h)
     experts = cfg.n_moe_layers * cfg.experts * mlp if cfg.experts else 0
     per_block_dense, per_block_experts = (blocks - experts) / L, experts / L
+    # Megatron keeps whole on every tp rank a block's two LayerNorms and the biases of its two
+    # row-parallel layers (added after the all-reduce): 4h + 2h with biases, 2h without.
+    whole = 2 * ln + 2 * h * int(cfg.bias)
     k = L // layout.pp
-    body = k * (per_block_dense / layout.tp + per_block_experts / (layout.tp * layout.ep))
+    body = k * ((per_block_dense - whole) / layout.tp + whole + per_block_experts / (layout.tp * layout.ep))
     if layout.pp == 1:  # the vocabulary splits over tp, the positions and ln_f do not
         edges = (outside - s * h - ln) / layout.tp + s * h + ln
     else:
