@@ -159,23 +159,24 @@ def compression_runs(steps: int, optim: str, lr: float | None, warm: int, freeze
         Run("powersgd", f"PowerSGD rank {POWERSGD_RANK} + error feedback", [*small, *psgd, *ef], 1),
         Run("powersgd-noef", f"PowerSGD rank {POWERSGD_RANK}, no error feedback", [*small, *psgd, *no_ef], 1),
     ]
-    if freeze and optim == "adamw":
+    if freeze:  # the momentum compressed: 1-bit Adam (AdamW), 1-bit SGD (SGD, feedback after momentum)
         mom = ["--comm.target", "momentum", "--comm.freeze_step", str(freeze)]
+        name, sfx = ("Adam", "adam") if optim == "adamw" else ("SGD", "sgdm")
         runs += [
             Run(
-                "onebit-adam",
-                f"1-bit Adam: momentum + error feedback, {freeze} steps fp32 first",
+                f"onebit-{sfx}",
+                f"1-bit {name}: momentum + error feedback, {freeze} steps fp32 first",
                 [*small, *onebit, *ef, *mom],
                 1,
             ),
-            Run("onebit-adam-noef", "1-bit Adam, no error feedback", [*small, *onebit, *no_ef, *mom], 1),
+            Run(f"onebit-{sfx}-noef", f"1-bit {name}, no error feedback", [*small, *onebit, *no_ef, *mom], 1),
             Run(
-                "topk-adam",
-                f"top-1% Adam: momentum + residual, {freeze} steps fp32 first",
+                f"topk-{sfx}",
+                f"top-1% {name}: momentum + residual, {freeze} steps fp32 first",
                 [*small, *topk, *ef, *mom],
                 1,
             ),
-            Run("topk-adam-noef", "top-1% Adam, no residual", [*small, *topk, *no_ef, *mom], 1),
+            Run(f"topk-{sfx}-noef", f"top-1% {name}, no residual", [*small, *topk, *no_ef, *mom], 1),
         ]
     runs.append(Run("none-seed1", "none (fp32), seed + 1", [*small, "--train.seed", str(_seed(t) + 1)], 1))
     if warm:
@@ -461,15 +462,16 @@ def targets(runs: list[Run]) -> list[list[str]]:
     if psgd is not None:
         name = f"PowerSGD rank {POWERSGD_RANK} on gradients"
         out += _loss_rows(name, ref, psgd, done(runs, "powersgd-noef"), noise, " (extra)")
-    for key, goal in FACTOR_TARGETS.items():  # 1-bit Adam (--freeze-step): the momentum compressed
-        res = done(runs, f"{key}-adam")
-        if res is None:
-            continue
-        name = f"{names[key]} Adam (momentum)"
-        out.append(
-            _factor_row(f"{name}: >= {goal:.0f}x fewer bytes than fp32 after the freeze", goal, ref, res)
-        )
-        out += _loss_rows(name, ref, res, done(runs, f"{key}-adam-noef"), noise)
+    for sfx, opt in (("adam", "Adam"), ("sgdm", "SGD")):  # --freeze-step: the momentum compressed
+        for key, goal in FACTOR_TARGETS.items():
+            res = done(runs, f"{key}-{sfx}")
+            if res is None:
+                continue
+            name = f"{names[key]} {opt} (momentum)"
+            out.append(
+                _factor_row(f"{name}: >= {goal:.0f}x fewer bytes than fp32 after the freeze", goal, ref, res)
+            )
+            out += _loss_rows(name, ref, res, done(runs, f"{key}-{sfx}-noef"), noise)
     for key in FACTOR_TARGETS:  # --warm-start
         res = done(runs, f"{key}-warm")
         if res is not None:
@@ -717,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.optim == "sgd":
         common = common_args("sgd", args.momentum)
         # the compression runs are planned once the sweep has chosen the lr; their keys are known now
-        runs = [r for r in compression_runs(args.steps, "sgd", 1.0, args.warm_start)]
+        runs = [r for r in compression_runs(args.steps, "sgd", 1.0, args.warm_start, args.freeze_step)]
     else:
         runs, common = plan(args.steps, args.lamb_lrs, args.big_warmup, args.warm_start, args.freeze_step)
     if args.only:
@@ -746,7 +748,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"SGD: lr {lr:g} chosen (held-out {best.result['val_loss']:.4f})", flush=True)
                 none = Run("none", "none (fp32)", best.overrides, 1, result=best.result)
                 planned = [
-                    r for r in compression_runs(args.steps, "sgd", lr, args.warm_start) if r.key in keys
+                    r
+                    for r in compression_runs(args.steps, "sgd", lr, args.warm_start, args.freeze_step)
+                    if r.key in keys
                 ]
                 runs = [*sweep, none, *planned]
         run_all(runs, common, Path(tmp), args.timeout, start)
