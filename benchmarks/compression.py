@@ -38,7 +38,9 @@ its own run directory under a temporary directory. What is read back from a run 
    `--comm.target momentum --comm.freeze_step N` with 1-bit and with top-1%, each with and
    without error feedback: AdamW on uncompressed gradients for N steps, then the variance frozen
    and the momentum exchanged compressed (plait.optim.onebit_adam). Its bytes are those of the
-   last logged step, in the compression stage; the first N steps send fp32.
+   last logged step, in the compression stage; the first N steps send fp32. In SGD mode the same
+   runs are **1-bit SGD** (keys `onebit-sgdm`, `topk-sgdm`, with `-noef`): momentum SGD whose
+   momentum is exchanged compressed, error feedback after the momentum (plait.optim.onebit_sgd).
 
 All runs (both parts) hold out 7.5% of the corpus instead of the config's 5%: one evaluation
 batch of 256 sequences must fit into the held-out text, and with 7.5% the 8 evaluation batches
@@ -691,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         "--freeze-step",
         type=int,
         default=100,
-        help="AdamW: also run 1-bit Adam (comm.target = momentum) with this comm.freeze_step (0: no)",
+        help="also run 1-bit Adam / 1-bit SGD (comm.target = momentum) with this comm.freeze_step (0: no)",
     )
     parser.add_argument("--lamb-lrs", default="1e-2,2e-2,4e-2", help="LAMB peak learning rates to try")
     parser.add_argument("--big-warmup", type=int, default=10, help="warm-up steps of part 2")
