@@ -38,7 +38,9 @@ its own run directory under a temporary directory. What is read back from a run 
    `--comm.target momentum --comm.freeze_step N` with 1-bit and with top-1%, each with and
    without error feedback: AdamW on uncompressed gradients for N steps, then the variance frozen
    and the momentum exchanged compressed (plait.optim.onebit_adam). Its bytes are those of the
-   last logged step, in the compression stage; the first N steps send fp32.
+   last logged step, in the compression stage; the first N steps send fp32. In SGD mode the same
+   runs are **1-bit SGD** (keys `onebit-sgdm`, `topk-sgdm`, with `-noef`): momentum SGD whose
+   momentum is exchanged compressed, error feedback after the momentum (plait.optim.onebit_sgd).
 
 All runs (both parts) hold out 7.5% of the corpus instead of the config's 5%: one evaluation
 batch of 256 sequences must fit into the held-out text, and with 7.5% the 8 evaluation batches
@@ -159,23 +161,24 @@ def compression_runs(steps: int, optim: str, lr: float | None, warm: int, freeze
         Run("powersgd", f"PowerSGD rank {POWERSGD_RANK} + error feedback", [*small, *psgd, *ef], 1),
         Run("powersgd-noef", f"PowerSGD rank {POWERSGD_RANK}, no error feedback", [*small, *psgd, *no_ef], 1),
     ]
-    if freeze and optim == "adamw":
+    if freeze:  # the momentum compressed: 1-bit Adam (AdamW), 1-bit SGD (SGD, feedback after momentum)
         mom = ["--comm.target", "momentum", "--comm.freeze_step", str(freeze)]
+        name, sfx = ("Adam", "adam") if optim == "adamw" else ("SGD", "sgdm")
         runs += [
             Run(
-                "onebit-adam",
-                f"1-bit Adam: momentum + error feedback, {freeze} steps fp32 first",
+                f"onebit-{sfx}",
+                f"1-bit {name}: momentum + error feedback, {freeze} steps fp32 first",
                 [*small, *onebit, *ef, *mom],
                 1,
             ),
-            Run("onebit-adam-noef", "1-bit Adam, no error feedback", [*small, *onebit, *no_ef, *mom], 1),
+            Run(f"onebit-{sfx}-noef", f"1-bit {name}, no error feedback", [*small, *onebit, *no_ef, *mom], 1),
             Run(
-                "topk-adam",
-                f"top-1% Adam: momentum + residual, {freeze} steps fp32 first",
+                f"topk-{sfx}",
+                f"top-1% {name}: momentum + residual, {freeze} steps fp32 first",
                 [*small, *topk, *ef, *mom],
                 1,
             ),
-            Run("topk-adam-noef", "top-1% Adam, no residual", [*small, *topk, *no_ef, *mom], 1),
+            Run(f"topk-{sfx}-noef", f"top-1% {name}, no residual", [*small, *topk, *no_ef, *mom], 1),
         ]
     runs.append(Run("none-seed1", "none (fp32), seed + 1", [*small, "--train.seed", str(_seed(t) + 1)], 1))
     if warm:
@@ -461,15 +464,16 @@ def targets(runs: list[Run]) -> list[list[str]]:
     if psgd is not None:
         name = f"PowerSGD rank {POWERSGD_RANK} on gradients"
         out += _loss_rows(name, ref, psgd, done(runs, "powersgd-noef"), noise, " (extra)")
-    for key, goal in FACTOR_TARGETS.items():  # 1-bit Adam (--freeze-step): the momentum compressed
-        res = done(runs, f"{key}-adam")
-        if res is None:
-            continue
-        name = f"{names[key]} Adam (momentum)"
-        out.append(
-            _factor_row(f"{name}: >= {goal:.0f}x fewer bytes than fp32 after the freeze", goal, ref, res)
-        )
-        out += _loss_rows(name, ref, res, done(runs, f"{key}-adam-noef"), noise)
+    for sfx, opt in (("adam", "Adam"), ("sgdm", "SGD")):  # --freeze-step: the momentum compressed
+        for key, goal in FACTOR_TARGETS.items():
+            res = done(runs, f"{key}-{sfx}")
+            if res is None:
+                continue
+            name = f"{names[key]} {opt} (momentum)"
+            out.append(
+                _factor_row(f"{name}: >= {goal:.0f}x fewer bytes than fp32 after the freeze", goal, ref, res)
+            )
+            out += _loss_rows(name, ref, res, done(runs, f"{key}-{sfx}-noef"), noise)
     for key in FACTOR_TARGETS:  # --warm-start
         res = done(runs, f"{key}-warm")
         if res is not None:
@@ -689,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         "--freeze-step",
         type=int,
         default=100,
-        help="AdamW: also run 1-bit Adam (comm.target = momentum) with this comm.freeze_step (0: no)",
+        help="also run 1-bit Adam / 1-bit SGD (comm.target = momentum) with this comm.freeze_step (0: no)",
     )
     parser.add_argument("--lamb-lrs", default="1e-2,2e-2,4e-2", help="LAMB peak learning rates to try")
     parser.add_argument("--big-warmup", type=int, default=10, help="warm-up steps of part 2")
@@ -717,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.optim == "sgd":
         common = common_args("sgd", args.momentum)
         # the compression runs are planned once the sweep has chosen the lr; their keys are known now
-        runs = [r for r in compression_runs(args.steps, "sgd", 1.0, args.warm_start)]
+        runs = [r for r in compression_runs(args.steps, "sgd", 1.0, args.warm_start, args.freeze_step)]
     else:
         runs, common = plan(args.steps, args.lamb_lrs, args.big_warmup, args.warm_start, args.freeze_step)
     if args.only:
@@ -746,7 +750,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"SGD: lr {lr:g} chosen (held-out {best.result['val_loss']:.4f})", flush=True)
                 none = Run("none", "none (fp32)", best.overrides, 1, result=best.result)
                 planned = [
-                    r for r in compression_runs(args.steps, "sgd", lr, args.warm_start) if r.key in keys
+                    r
+                    for r in compression_runs(args.steps, "sgd", lr, args.warm_start, args.freeze_step)
+                    if r.key in keys
                 ]
                 runs = [*sweep, none, *planned]
         run_all(runs, common, Path(tmp), args.timeout, start)

@@ -139,8 +139,8 @@ BAD = [
     ),
     (
         None,
-        ["--comm.target", "momentum", "--comm.compression", "onebit", "--optim.name", "sgd"],
-        ["optim.name = 'adamw'", "'sgd'"],
+        ["--comm.target", "momentum", "--comm.compression", "onebit", "--optim.name", "lamb"],
+        ["optim.name = 'adamw' or 'sgd'", "'lamb'"],
     ),
     (
         None,

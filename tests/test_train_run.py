@@ -134,11 +134,14 @@ ERROR_FEEDBACK = [
     ("topk", "momentum", 2),
     ("topk", "gradient", 2),
     ("powersgd", "gradient", 0),
+    ("onebit", "sgd-momentum", 0),  # 1-bit SGD: momentum SGD, its momentum exchanged in 1 bit
 ]
 
 
 def _error_feedback(compression, target, stage):
     comp = ("--parallel.dp", "2", "--comm.compression", compression, "--comm.topk_ratio", "0.05")
+    if target == "sgd-momentum":
+        target, comp = "momentum", comp + ("--optim.name", "sgd", "--train.lr", "0.05")
     comp += ("--comm.target", target, "--comm.freeze_step", "2", "--parallel.zero_stage", str(stage))
     return comp + ("--comm.powersgd_rank", "2")
 

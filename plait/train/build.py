@@ -16,6 +16,7 @@ from plait.mesh import Mesh
 from plait.optim import allreduce_norms, param_groups
 from plait.optim import build_optimizer as make_optimizer
 from plait.optim.onebit_adam import MomentumHook, OneBitAdam
+from plait.optim.onebit_sgd import OneBitSGD
 from plait.train.config import Config
 
 
@@ -45,6 +46,8 @@ def build_engine(raw: torch.nn.Module, cfg: Config, mesh: Mesh, run_dir: Path) -
         momentum_hook = MomentumHook(compressor, c.freeze_step)
 
     def factory(groups):
+        if momentum_hook is not None and cfg.optim.name == "sgd":  # 1-bit SGD, feedback after momentum
+            return OneBitSGD(groups, momentum_hook, mesh, "dp", lr=t.lr, momentum=cfg.optim.momentum)
         if momentum_hook is not None:
             return OneBitAdam(groups, momentum_hook, mesh, "dp", lr=t.lr, betas=(t.beta1, t.beta2))
         return make_optimizer(

@@ -79,12 +79,25 @@ def announce(run: Run) -> None:
             if stage
             else ""
         )
+        first = (
+            f"1-bit SGD: momentum SGD on uncompressed gradients for {c.freeze_step} steps, then the momentum"
+            if cfg.optim.name == "sgd"
+            else f"1-bit Adam: AdamW on uncompressed gradients for {c.freeze_step} steps, then the "
+            "variance is frozen and the momentum"
+        )
         say(
             mesh,
-            f"plait: 1-bit Adam: AdamW on uncompressed gradients for {c.freeze_step} steps, then the "
-            f"variance is frozen and the momentum is exchanged with {c.compression} compression "
+            f"plait: {first} is exchanged with {c.compression} compression "
             f"({'with' if c.error_feedback else 'without'} error feedback); from then on gradient "
             f"clipping and grad_norm see each rank's own whole gradient{zero}",
+        )
+    elif c.compression == "onebit" and c.error_feedback and cfg.optim.name == "sgd" and cfg.optim.momentum:
+        say(
+            mesh,
+            "plait: note: 1-bit error feedback on gradients under SGD with momentum trained worse than "
+            "without it in plait's experiments (the momentum multiplies the carried error); "
+            "comm.target = 'momentum' (1-bit SGD, error feedback after the momentum) compresses the "
+            "momentum instead; see docs/compression.md",
         )
     elif (
         c.compression in ("onebit", "topk", "powersgd")

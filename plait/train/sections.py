@@ -187,9 +187,10 @@ class CommConfig:
     target: str = _f(
         "gradient",
         "what onebit/topk/powersgd compress: gradient (the dp all-reduce) or momentum (1-bit Adam: AdamW's "
-        "momentum, variance frozen after comm.freeze_step uncompressed steps; needs optim.name = adamw)",
+        "momentum, variance frozen after comm.freeze_step uncompressed steps; 1-bit SGD under optim.name = "
+        "sgd: the momentum, error feedback after it; needs optim.name = adamw or sgd)",
     )
-    freeze_step: int = _f(100, "target = momentum: uncompressed AdamW steps before the variance freezes")
+    freeze_step: int = _f(100, "target = momentum: uncompressed steps (AdamW: then the variance freezes)")
 
 
 @dataclasses.dataclass
