@@ -1,0 +1,97 @@
+"""The single controller (plait.controller, Monarch actors) against plait's SPMD runtime, at the
+level a user meets it: `plait train ... --runtime.kind controller` and the default runtime on
+the same tiny config must log the same losses and gradient norms, bit for bit, in every layout
+below; a SIGTERM to the controller checkpoints the step reached and leaves no process; without
+Monarch the controller is refused in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import TINY, assert_runs_match, fault_env, metrics, plait_train_all
+
+from plait.cli import main
+from plait.train.export import completed_steps
+
+CONTROLLER = ("--runtime.kind", "controller")
+LAYOUTS = {
+    "dp2": ("--parallel.dp", "2"),
+    "dp2-zero3": ("--parallel.dp", "2", "--parallel.zero_stage", "3"),
+    "tp2-sp": ("--parallel.tp", "2", "--parallel.sequence_parallel", "true"),
+    "pp2-1f1b": ("--parallel.pp", "2", "--parallel.schedule", "1f1b"),
+    "ep2": ("--parallel.ep", "2", "--model.experts", "4"),
+}
+
+
+def _live_with(tag: str) -> list[int]:
+    """The processes whose environment holds `tag` (a run's own processes inherit it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if tag.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("controller")
+    jobs = {}
+    for name, layout in LAYOUTS.items():
+        for kind in ("spmd", "controller"):
+            jobs[f"{name}/{kind}"] = (
+                *TINY,
+                *layout,
+                "--runtime.kind",
+                kind,
+                "--train.run_dir",
+                base / name / kind,
+            )
+    done = plait_train_all(jobs, timeout=400)
+    return base, done
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_controller_logs_the_spmd_runs_losses_bit_for_bit(runs, layout):
+    base, done = runs
+    for kind in ("spmd", "controller"):
+        r = done[f"{layout}/{kind}"]
+        assert r.returncode == 0, f"{kind}: {r.stderr[-3000:]}"
+    ctrl, spmd = base / layout / "controller", base / layout / "spmd"
+    assert sorted(metrics(ctrl)) == list(range(1, 9))
+    assert_runs_match(ctrl, spmd, rtol=0, what=f"{layout}: controller vs spmd")
+    # the same run directory: every rank's metrics, the checkpoints, the summary and the plot
+    assert sorted(p.name for p in ctrl.iterdir()) == sorted(p.name for p in spmd.iterdir())
+    assert completed_steps(ctrl / "checkpoints") == completed_steps(spmd / "checkpoints")
+    assert "single controller (Monarch)" in done[f"{layout}/controller"].stdout
+
+
+def test_sigterm_to_the_controller_saves_the_step_reached_and_leaves_no_process(tmp_path):
+    tag = f"PLAIT_TEST_TAG={uuid.uuid4().hex}"
+    run = tmp_path / "run"
+    args = (*TINY, "--parallel.dp", "2", *CONTROLLER, "--train.steps", "40", "--train.run_dir", run)
+    env = {**fault_env("0:5:sigterm"), tag.split("=")[0]: tag.split("=")[1]}
+    r = plait_train_all({"run": args}, env=env, timeout=300)["run"]
+    assert r.returncode == 143, r.stderr[-3000:]
+    reached = max(metrics(run))
+    assert 5 <= reached < 40
+    assert completed_steps(run / "checkpoints")[-1] == reached  # saved where it stopped
+    assert f"stopped by SIGTERM after step {reached}; checkpoint saved" in r.stdout
+    assert _live_with(tag) == []
+
+
+def test_the_controller_without_monarch_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "monarch.actor", None)  # import monarch.actor raises ImportError
+    code = main(["train", *TINY, *CONTROLLER, "--train.run_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "runtime.kind = 'controller' needs Monarch" in err and "--no-deps torchmonarch==0.7.0" in err
+    assert not (tmp_path / "run").exists()  # refused before anything was made
