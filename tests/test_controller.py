@@ -7,13 +7,17 @@ Monarch the controller is refused in one line.
 
 from __future__ import annotations
 
+import functools
 import os
+import signal
+import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
-from conftest import TINY, assert_runs_match, fault_env, metrics, plait_train_all
+from conftest import TINY, assert_runs_match, fault_env, metrics, plait_train_all, side_by_side
 
 from plait.cli import main
 from plait.train.export import completed_steps
@@ -28,14 +32,15 @@ LAYOUTS = {
 }
 
 
-def _live_with(tag: str) -> list[int]:
-    """The processes whose environment holds `tag` (a run's own processes inherit it)."""
-    found = []
+def _live_with(tag: str) -> dict[int, str]:
+    """The processes whose environment holds `tag` (a run's own processes inherit it): their
+    command lines, by pid."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
                 if tag.encode() in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
+                    found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 pass
     return found
@@ -74,18 +79,54 @@ def test_the_controller_logs_the_spmd_runs_losses_bit_for_bit(runs, layout):
     assert "single controller (Monarch)" in done[f"{layout}/controller"].stdout
 
 
-def test_sigterm_to_the_controller_saves_the_step_reached_and_leaves_no_process(tmp_path):
-    tag = f"PLAIT_TEST_TAG={uuid.uuid4().hex}"
-    run = tmp_path / "run"
-    args = (*TINY, "--parallel.dp", "2", *CONTROLLER, "--train.steps", "40", "--train.run_dir", run)
-    env = {**fault_env("0:5:sigterm"), tag.split("=")[0]: tag.split("=")[1]}
-    r = plait_train_all({"run": args}, env=env, timeout=300)["run"]
-    assert r.returncode == 143, r.stderr[-3000:]
+def _stopped_run(run: Path, tag: str, signum: int | None) -> subprocess.CompletedProcess:
+    """A 40-step controller run in a process of its own (as a user starts it), stopped at step 5:
+    by SIGTERM from the step hook (a scheduler's pre-emption), or by `signum` sent by this test
+    once step 4 is logged (Ctrl-C)."""
+    args = (*TINY, "--parallel.dp", "2", *CONTROLLER, "--train.steps", "40", "--train.run_dir", str(run))
+    env = {**os.environ, "PLAIT_TEST_TAG": tag, **(fault_env("0:5:sigterm") if signum is None else {})}
+    cmd = [sys.executable, "-m", "plait.cli", "train", *args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as p:
+        if signum is not None:
+            deadline = time.monotonic() + 240
+            while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+                assert time.monotonic() < deadline and p.poll() is None, "the run never logged a step"
+                time.sleep(0.2)
+            p.send_signal(signum)
+        out, err = p.communicate(timeout=300)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_stopped_controller_saves_the_step_reached_and_leaves_no_process(signals, signum):
+    run, r, tag = signals[signum]
+    assert r.returncode == 128 + signum, r.stderr[-3000:]
     reached = max(metrics(run))
-    assert 5 <= reached < 40
+    assert 1 <= reached < 40
     assert completed_steps(run / "checkpoints")[-1] == reached  # saved where it stopped
-    assert f"stopped by SIGTERM after step {reached}; checkpoint saved" in r.stdout
-    assert _live_with(tag) == []
+    assert f"stopped by {signal.Signals(signum).name} after step {reached}; checkpoint saved" in r.stdout
+    assert "Traceback" not in r.stderr
+    deadline = time.monotonic() + 10  # a process that is exiting has a moment to finish
+    while _live_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _live_with(tag) == {}
+
+
+def _stop_job(run: Path, tag: str, signum: int | None):
+    return run, _stopped_run(run, tag, signum), tag
+
+
+@pytest.fixture(scope="module")
+def signals(tmp_path_factory):
+    base = tmp_path_factory.mktemp("controller-signals")
+    jobs = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        run, tag = base / signal.Signals(signum).name, uuid.uuid4().hex
+        hook = None if signum == signal.SIGTERM else signum  # SIGTERM: from the step hook
+        jobs[signum] = functools.partial(
+            lambda run, tag, hook: (run, _stopped_run(run, tag, hook), tag), run, tag, hook
+        )
+    return side_by_side(jobs)
 
 
 def test_the_controller_without_monarch_is_refused_in_one_line(monkeypatch, capsys, tmp_path):

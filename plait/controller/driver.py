@@ -177,6 +177,8 @@ class Controller:
                 break
             while len(pending) >= cfg.runtime.run_ahead:
                 self._consume(*pending.popleft())
+            if stop.signum:  # arrived while waiting: nothing more is sent
+                break
             pending.append(self._dispatch(step))
         while pending:
             self._consume(*pending.popleft())
