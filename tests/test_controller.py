@@ -17,18 +17,23 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import TINY, assert_runs_match, fault_env, metrics, plait_train_all, side_by_side
+from conftest import TINY, assert_runs_match, fault_env, metrics, side_by_side, train_job
 
 from plait.cli import main
 from plait.train.export import completed_steps
 
 CONTROLLER = ("--runtime.kind", "controller")
+# the layouts' arguments as the SPMD tests of each technique write them: their runs are shared
+# (conftest's RunCache), so the SPMD side costs nothing when those files run in the same session
+TP = ("--model.n_head", "4")
+PP = ("--model.n_layer", "4", "--parallel.dp", "1", "--parallel.pp", "2")
+MOE = ("--model.experts", "4", "--model.top_k", "2", "--train.log_every", "2")
 LAYOUTS = {
-    "dp2": ("--parallel.dp", "2"),
-    "dp2-zero3": ("--parallel.dp", "2", "--parallel.zero_stage", "3"),
-    "tp2-sp": ("--parallel.tp", "2", "--parallel.sequence_parallel", "true"),
-    "pp2-1f1b": ("--parallel.pp", "2", "--parallel.schedule", "1f1b"),
-    "ep2": ("--parallel.ep", "2", "--model.experts", "4"),
+    "dp2": TP,
+    "dp2-zero3": ("--parallel.zero_stage", "3"),
+    "tp2-sp": (*TP, "--parallel.tp", "2", "--parallel.dp", "1", "--parallel.sequence_parallel", "true"),
+    "pp2-1f1b": (*PP, "--parallel.schedule", "1f1b"),
+    "dp1-ep2": (*MOE, "--parallel.dp", "1", "--parallel.ep", "2"),
 }
 
 
@@ -47,36 +52,29 @@ def _live_with(tag: str) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(shared_runs, tmp_path_factory):
+    """{layout/runtime: (run dir, CompletedProcess)}: each layout under both runtimes, side by side."""
     base = tmp_path_factory.mktemp("controller")
     jobs = {}
     for name, layout in LAYOUTS.items():
-        for kind in ("spmd", "controller"):
-            jobs[f"{name}/{kind}"] = (
-                *TINY,
-                *layout,
-                "--runtime.kind",
-                kind,
-                "--train.run_dir",
-                base / name / kind,
-            )
-    done = plait_train_all(jobs, timeout=400)
-    return base, done
+        jobs[f"{name}/spmd"] = shared_runs.job(*TINY, *layout, timeout=300)
+        jobs[f"{name}/controller"] = train_job(base / name, *TINY, *layout, *CONTROLLER, timeout=400)
+    return side_by_side(jobs)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_controller_logs_the_spmd_runs_losses_bit_for_bit(runs, layout):
-    base, done = runs
     for kind in ("spmd", "controller"):
-        r = done[f"{layout}/{kind}"]
+        _, r = runs[f"{layout}/{kind}"]
         assert r.returncode == 0, f"{kind}: {r.stderr[-3000:]}"
-    ctrl, spmd = base / layout / "controller", base / layout / "spmd"
+    (ctrl, r), (spmd, _) = runs[f"{layout}/controller"], runs[f"{layout}/spmd"]
+    assert "single controller (Monarch)" in r.stdout
     assert sorted(metrics(ctrl)) == list(range(1, 9))
     assert_runs_match(ctrl, spmd, rtol=0, what=f"{layout}: controller vs spmd")
     # the same run directory: every rank's metrics, the checkpoints, the summary and the plot
-    assert sorted(p.name for p in ctrl.iterdir()) == sorted(p.name for p in spmd.iterdir())
+    spmd_files = {p.name for p in spmd.glob("metrics*.jsonl")} | {"summary.json", "loss.png", "config.toml"}
+    assert spmd_files <= {p.name for p in ctrl.iterdir()}
     assert completed_steps(ctrl / "checkpoints") == completed_steps(spmd / "checkpoints")
-    assert "single controller (Monarch)" in done[f"{layout}/controller"].stdout
 
 
 def _stopped_run(run: Path, tag: str, signum: int | None) -> subprocess.CompletedProcess:
