@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import TINY, assert_runs_match, fault_env, metrics, side_by_side, train_job
+from conftest import TINY, assert_runs_match, fault_env, metrics, resume_job, side_by_side, train_job
 
 from plait.cli import main
 from plait.train.export import completed_steps
@@ -59,6 +59,8 @@ def runs(shared_runs, tmp_path_factory):
     for name, layout in LAYOUTS.items():
         jobs[f"{name}/spmd"] = shared_runs.job(*TINY, *layout, timeout=300)
         jobs[f"{name}/controller"] = train_job(base / name, *TINY, *layout, *CONTROLLER, timeout=400)
+    # the controller's checkpoint of step 4 (its sampler position the controller's) resumed by SPMD
+    jobs["resumed"] = resume_job(jobs["dp2/controller"], base / "resumed", "--runtime.kind", "spmd")
     return side_by_side(jobs)
 
 
@@ -77,12 +79,20 @@ def test_the_controller_logs_the_spmd_runs_losses_bit_for_bit(runs, layout):
     assert completed_steps(ctrl / "checkpoints") == completed_steps(spmd / "checkpoints")
 
 
-def _stopped_run(run: Path, tag: str, signum: int | None) -> subprocess.CompletedProcess:
+def test_a_controller_checkpoint_resumes_under_spmd_exactly(runs):
+    (run, r), (spmd, _) = runs["resumed"], runs["dp2/spmd"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(metrics(run)) == list(range(1, 9))
+    assert_runs_match(run, spmd, rtol=0, what="controller's step 4 resumed under spmd")
+
+
+def _stopped_run(run: Path, tag: str, signum: int | None, fault: dict | None) -> subprocess.CompletedProcess:
     """A 40-step controller run in a process of its own (as a user starts it), stopped at step 5:
     by SIGTERM from the step hook (a scheduler's pre-emption), or by `signum` sent by this test
     once step 4 is logged (Ctrl-C)."""
     args = (*TINY, "--parallel.dp", "2", *CONTROLLER, "--train.steps", "40", "--train.run_dir", str(run))
-    env = {**os.environ, "PLAIT_TEST_TAG": tag, **(fault_env("0:5:sigterm") if signum is None else {})}
+    fault = fault or (fault_env("0:5:sigterm") if signum is None else {})
+    env = {**os.environ, "PLAIT_TEST_TAG": tag, **fault}
     cmd = [sys.executable, "-m", "plait.cli", "train", *args]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as p:
         if signum is not None:
@@ -110,8 +120,23 @@ def test_a_stopped_controller_saves_the_step_reached_and_leaves_no_process(signa
     assert _live_with(tag) == {}
 
 
-def _stop_job(run: Path, tag: str, signum: int | None):
-    return run, _stopped_run(run, tag, signum), tag
+def _stop_job(run: Path, signum: int | None, fault: dict | None = None):
+    """(run dir, CompletedProcess, the tag in the environment of the run's processes)."""
+    tag = uuid.uuid4().hex
+    return run, _stopped_run(run, tag, signum, fault), tag
+
+
+def test_a_failing_rank_takes_the_job_down_at_once_with_its_traceback(signals):
+    run, r, tag = signals["raised"]
+    assert r.returncode == 1
+    assert "plait: rank 1 failed; the job was stopped. Its error:" in r.stderr
+    assert "RuntimeError: injected fault on rank 1 at step 3" in r.stderr
+    # rank 0, waiting for rank 1 in step 3's all-reduce, is not waited for (comm.timeout_s = 60)
+    assert "watchdog" not in r.stderr and max(metrics(run)) == 2
+    deadline = time.monotonic() + 10
+    while _live_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _live_with(tag) == {}
 
 
 @pytest.fixture(scope="module")
@@ -119,11 +144,9 @@ def signals(tmp_path_factory):
     base = tmp_path_factory.mktemp("controller-signals")
     jobs = {}
     for signum in (signal.SIGTERM, signal.SIGINT):
-        run, tag = base / signal.Signals(signum).name, uuid.uuid4().hex
         hook = None if signum == signal.SIGTERM else signum  # SIGTERM: from the step hook
-        jobs[signum] = functools.partial(
-            lambda run, tag, hook: (run, _stopped_run(run, tag, hook), tag), run, tag, hook
-        )
+        jobs[signum] = functools.partial(_stop_job, base / signal.Signals(signum).name, hook)
+    jobs["raised"] = functools.partial(_stop_job, base / "raised", None, fault_env("1:3"))
     return side_by_side(jobs)
 
 

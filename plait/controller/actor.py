@@ -12,6 +12,7 @@ returned, so that the controller prints it in step order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 
@@ -36,6 +37,25 @@ def _captured(out: dict):
     out["lines"] = out.get("lines", "") + buf.getvalue()
 
 
+def _fails_once(method):
+    """After one of this rank's calls raised, every later one is refused at once: the steps the
+    controller queued behind it must not start collectives its peers are not in."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self.failed:
+            raise RuntimeError(
+                f"rank {self.rank}: not run, an earlier call failed on this rank ({self.failed})"
+            )
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as exc:
+            self.failed = f"{type(exc).__name__}: {exc}"[:200]
+            raise
+
+    return call
+
+
 class RankActor(Actor):
     """One rank of the job: the engine of `plait train` on this process's part of the model."""
 
@@ -45,8 +65,10 @@ class RankActor(Actor):
         self.window = None
         self.hook = None
         self.loss = float("nan")
+        self.failed = ""
 
     @endpoint
+    @_fails_once
     def setup(self, cfg_dict: dict, port: int, threads: int, resume: bool, peak: float | None) -> dict:
         """Join the process group and build the run; returns this rank's place in the batch
         (its data rank and their number), the sampler's position and rank 0's start-up lines."""
@@ -82,6 +104,7 @@ class RankActor(Actor):
         return out
 
     @endpoint
+    @_fails_once
     def step(self, step: int, batch: list, log: bool) -> dict:
         """One optimizer step on `batch` (this rank's micro-batches); `log`: this step's record
         gets the log interval's throughput, memory and traffic (every rank: some are reduced)."""
@@ -102,6 +125,7 @@ class RankActor(Actor):
         return record
 
     @endpoint
+    @_fails_once
     def evaluate(self, step: int, final: bool) -> dict:
         """The held-out loss of the parameters after `step` (`final`: the engine finishes first)."""
         run = self.run
@@ -114,6 +138,7 @@ class RankActor(Actor):
         return record
 
     @endpoint
+    @_fails_once
     def save(self, step: int, sampler: dict, always: bool) -> bool:
         """A checkpoint of the state after `step` through the loop's DCP path, with the
         controller's sampler position (the data is the controller's); not while steps are being
@@ -126,6 +151,7 @@ class RankActor(Actor):
         return True
 
     @endpoint
+    @_fails_once
     def finish(self, loss: float, val_loss: float | None) -> dict:
         """The end of the run: the summary, loss.png and the sample (rank 0 writes them, after the
         controller closed metrics.jsonl), then the group is closed."""

@@ -18,8 +18,11 @@ import sys
 from collections import deque
 from pathlib import Path
 
+import monarch.actor
 import torch
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # a process died
 from monarch.actor import ActorError, this_host
+from monarch.config import configure
 from tqdm import tqdm
 
 from plait.comm.ports import free_port
@@ -97,15 +100,22 @@ class Controller:
         self.peak = None if use_cuda else peak_flops_per_rank(cpu, t.bf16, self.threads, t.peak_tflops)
 
     def run(self) -> int:
+        # A failed run's mesh is stopped at once: a rank blocked in a collective with a failed
+        # peer is not waited for (Monarch's defaults: 10 s each)
+        configure(stop_actor_timeout="2s", mesh_terminate_timeout="2s", process_exit_timeout="2s")
         with _Stop() as stop:
             procs = this_host().spawn_procs(per_host=mesh_dims(self.cfg))
+            previous, monarch.actor.unhandled_fault_hook = monarch.actor.unhandled_fault_hook, _quiet
             try:
                 return self._drive(procs, stop)
-            except ActorError as exc:
-                sys.stderr.write(f"\nplait: a rank failed; the job was stopped. Its error:\n{exc}\n")
+            except RankFailed as exc:  # the first failure seen, reported once
+                sys.stderr.write(
+                    f"\nplait: rank {exc.rank} failed; the job was stopped. Its error:\n{exc.error}\n"
+                )
                 return 1
             finally:
                 procs.stop().get()
+                monarch.actor.unhandled_fault_hook = previous
 
     def _spawn(self, procs) -> None:
         actors = procs.spawn("plait", RankActor)
@@ -125,7 +135,7 @@ class Controller:
         self._spawn(procs)
         cfg = self.cfg
         args = (cfg.to_dict(), free_port(), self.threads, self.resume, self.peak)
-        setups = [f.get() for f in self._each("setup", *args)]
+        setups = _gather(self._each("setup", *args))
         first = setups[0]
         _print(first.get("lines", ""))
         _print(
@@ -187,7 +197,7 @@ class Controller:
         self.bar.close()
         for w in self.writers:
             w.close()
-        ends = [f.get() for f in self._each("finish", self.loss, self.val_loss)]
+        ends = _gather(self._each("finish", self.loss, self.val_loss))
         _print(ends[0].get("lines", ""))
         return 0
 
@@ -208,14 +218,13 @@ class Controller:
 
     def _consume(self, step: int, steps: list, evals: list | None, saves: list | None) -> None:
         """Step `step`'s records, in order: log lines, metrics of every rank, the progress bar."""
-        records = [f.get() for f in steps]
+        records = _gather(steps)
         for r, rec in enumerate(records):
             lines = rec.pop("_lines", "")
             if r == 0:
                 _print(lines)
         if evals is not None:
-            for rec, f in zip(records, evals):
-                held = f.get()
+            for rec, held in zip(records, _gather(evals)):
                 if rec is records[0]:
                     _print(held.pop("lines", ""))
                 held.pop("lines", None)
@@ -226,24 +235,55 @@ class Controller:
         self.loss, self.done = records[0]["loss"], step
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{self.loss:.3f}", refresh=False)
-        if saves is not None and all(f.get() for f in saves):
+        if saves is not None and all(_gather(saves)):
             self.saved = step
 
     def _stopped(self, signum: int) -> int:
         """After SIGTERM or Ctrl-C: a checkpoint of the last step taken, then the exit code."""
         if self.done > self.saved:
             state = self.samplers[self.data_rank[0]].state_dict()
-            [f.get() for f in self._each("save", self.done, state, True)]
+            _gather(self._each("save", self.done, state, True))
         self.bar.close()
         for w in self.writers:
             w.close()
-        [f.get() for f in self._each("close")]
+        _gather(self._each("close"))
         name = signal.Signals(signum).name
         _print(
             f"plait: stopped by {name} after step {self.done}; checkpoint saved in "
             f"{self.run_dir / 'checkpoints'}; continue with: plait train --resume {self.run_dir}"
         )
         return PREEMPTED_EXIT if signum == signal.SIGTERM else INTERRUPTED_EXIT
+
+
+def _gather(futures: list, wait_s: float = 0.5) -> list:
+    """The results of one call on every rank, in rank order. The first failure is raised as
+    soon as it is back, even while another rank still waits for the failed one in a collective
+    (which would hold it until the watchdog's timeout)."""
+    out, left = [None] * len(futures), list(range(len(futures)))
+    while left:
+        for i in list(left):
+            try:  # the first rank left is waited for; the others are only looked at
+                out[i] = futures[i].get(timeout=wait_s if i == left[0] else 0.001)
+                left.remove(i)
+            except TimeoutError:
+                pass
+            except (ActorError, SupervisionError) as exc:
+                raise RankFailed(i, exc) from None
+    return out
+
+
+class RankFailed(Exception):
+    """A rank's call raised (ActorError: the rank's traceback) or its process died
+    (SupervisionError)."""
+
+    def __init__(self, rank: int, error: Exception):
+        super().__init__(f"rank {rank}: {error}")
+        self.rank, self.error = rank, error
+
+
+def _quiet(failure) -> None:
+    """Monarch's hook for a failure no caller observed: the controller observes every one
+    through its futures (_gather) and reports it there."""
 
 
 def _print(text: str) -> None:
