@@ -157,3 +157,19 @@ def test_the_controller_without_monarch_is_refused_in_one_line(monkeypatch, caps
     assert code == 2 and err.count("\n") == 1, err
     assert "runtime.kind = 'controller' needs Monarch" in err and "--no-deps torchmonarch==0.7.0" in err
     assert not (tmp_path / "run").exists()  # refused before anything was made
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (("--runtime.kind", "ctrl"), "runtime.kind = 'ctrl' is unknown; valid: spmd, controller"),
+        ((*CONTROLLER, "--runtime.run_ahead", "0"), "runtime.run_ahead must be >= 1, got 0"),
+        ((*CONTROLLER, "--parallel.tp", "3"), "not divisible by parallel.tp = 3"),  # before any spawn
+        ((*CONTROLLER, "--ps.servers", "1"), "the parameter server is a runtime of its own"),
+    ],
+)
+def test_bad_runtime_input_is_refused_in_one_line_before_spawning(capsys, tmp_path, args, said):
+    code = main(["train", *TINY, *args, "--train.run_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and said in err, err
+    assert not (tmp_path / "run").exists()

@@ -50,11 +50,6 @@ def mesh_dims(cfg: Config) -> dict[str, int]:
 
 def launch(cfg: Config, resume: bool = False, checkpoint=None) -> int:
     """Check, claim the run directory, spawn the mesh and drive it; returns the exit code."""
-    if cfg.ps.servers:
-        raise ConfigError(
-            f"ps.servers = {cfg.ps.servers} with runtime.kind = 'controller': the parameter server is a "
-            "runtime of its own; use runtime.kind = 'spmd'"
-        )
     if under_launcher():
         raise ConfigError(
             "runtime.kind = 'controller' starts its own processes (a Monarch mesh); run plait train "
