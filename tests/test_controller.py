@@ -139,6 +139,18 @@ def test_a_failing_rank_takes_the_job_down_at_once_with_its_traceback(signals):
     assert _live_with(tag) == {}
 
 
+def test_a_killed_rank_is_named_as_the_cause_and_no_process_is_left(signals):
+    run, r, tag = signals["killed"]
+    assert r.returncode == 1
+    # rank 0 fails too (its all-reduce partner is gone): the dead rank is the cause reported
+    assert "plait: rank 1 failed; the job was stopped." in r.stderr, r.stderr[-3000:]
+    assert "watchdog" not in r.stderr and max(metrics(run)) == 2
+    deadline = time.monotonic() + 10
+    while _live_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _live_with(tag) == {}
+
+
 @pytest.fixture(scope="module")
 def signals(tmp_path_factory):
     base = tmp_path_factory.mktemp("controller-signals")
@@ -147,6 +159,7 @@ def signals(tmp_path_factory):
         hook = None if signum == signal.SIGTERM else signum  # SIGTERM: from the step hook
         jobs[signum] = functools.partial(_stop_job, base / signal.Signals(signum).name, hook)
     jobs["raised"] = functools.partial(_stop_job, base / "raised", None, fault_env("1:3"))
+    jobs["killed"] = functools.partial(_stop_job, base / "killed", None, fault_env("1:3:kill"))
     return side_by_side(jobs)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import signal
 import sys
+import time
 from collections import deque
 from pathlib import Path
 
@@ -263,8 +264,31 @@ def _gather(futures: list, wait_s: float = 0.5) -> list:
             except TimeoutError:
                 pass
             except (ActorError, SupervisionError) as exc:
-                raise RankFailed(i, exc) from None
+                raise _root_cause(futures, left, i, exc) from None
     return out
+
+
+def _root_cause(futures: list, left: list, i: int, exc: Exception) -> RankFailed:
+    """Rank `i`'s failure or, when it failed in a collective because a peer's process died
+    (kill -9, a crash: "connection closed by peer"), the dead peer's, which reaches the
+    controller as a supervision event a few seconds later (Monarch's health checks: ~7 s here)."""
+    if isinstance(exc, SupervisionError) or not any(s in str(exc) for s in _PEER_GONE):
+        return RankFailed(i, exc)
+    deadline = time.monotonic() + 15.0
+    for j in left:
+        if j == i:
+            continue
+        try:
+            futures[j].get(timeout=max(0.001, deadline - time.monotonic()))
+        except SupervisionError as died:
+            return RankFailed(j, died)
+        except (ActorError, TimeoutError):
+            pass
+    return RankFailed(i, exc)
+
+
+# what a rank's collective raises when its peer is gone (gloo; NCCL's watchdog aborts instead)
+_PEER_GONE = ("by peer", "remote worker", "Connection closed", "Connection reset")
 
 
 class RankFailed(Exception):
