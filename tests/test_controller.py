@@ -61,6 +61,9 @@ def runs(shared_runs, tmp_path_factory):
         jobs[f"{name}/controller"] = train_job(base / name, *TINY, *layout, *CONTROLLER, timeout=400)
     # the controller's checkpoint of step 4 (its sampler position the controller's) resumed by SPMD
     jobs["resumed"] = resume_job(jobs["dp2/controller"], base / "resumed", "--runtime.kind", "spmd")
+    # rank 1 killed (SIGKILL) at step 6: the controller spawns a fresh mesh that resumes from step 4
+    recover = (*TINY, *LAYOUTS["dp2"], *CONTROLLER, "--train.max_restarts", "1")
+    jobs["recovered"] = train_job(base / "recovered", *recover, env=fault_env("1:6:kill"), timeout=400)
     return side_by_side(jobs)
 
 
@@ -84,6 +87,17 @@ def test_a_controller_checkpoint_resumes_under_spmd_exactly(runs):
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(metrics(run)) == list(range(1, 9))
     assert_runs_match(run, spmd, rtol=0, what="controller's step 4 resumed under spmd")
+
+
+def test_a_killed_rank_is_recovered_on_a_fresh_mesh_and_ends_as_if_uninterrupted(runs):
+    (run, r), (spmd, _) = runs["recovered"], runs["dp2/spmd"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "plait: rank 1 failed; a fresh mesh resumes from the newest checkpoint" in r.stderr
+    assert "Killed(sig=9)" in r.stderr
+    assert "restart 1 of train.max_restarts = 1 after a rank failed; resuming from" in r.stdout
+    assert "step_00000004" in r.stdout
+    assert sorted(metrics(run)) == list(range(1, 9))
+    assert_runs_match(run, spmd, rtol=0, what="killed at step 6 and recovered")
 
 
 def _stopped_run(run: Path, tag: str, signum: int | None, fault: dict | None) -> subprocess.CompletedProcess:
@@ -144,7 +158,8 @@ def test_a_killed_rank_is_named_as_the_cause_and_no_process_is_left(signals):
     assert r.returncode == 1
     # rank 0 fails too (its all-reduce partner is gone): the dead rank is the cause reported
     assert "plait: rank 1 failed; the job was stopped." in r.stderr, r.stderr[-3000:]
-    assert "watchdog" not in r.stderr and max(metrics(run)) == 2
+    # (step 2's reply from rank 1 may be lost with its process: its record then is not written)
+    assert "watchdog" not in r.stderr and max(metrics(run)) <= 2
     deadline = time.monotonic() + 10
     while _live_with(tag) and time.monotonic() < deadline:
         time.sleep(0.2)

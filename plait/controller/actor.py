@@ -69,9 +69,13 @@ class RankActor(Actor):
 
     @endpoint
     @_fails_once
-    def setup(self, cfg_dict: dict, port: int, threads: int, resume: bool, peak: float | None) -> dict:
-        """Join the process group and build the run; returns this rank's place in the batch
-        (its data rank and their number), the sampler's position and rank 0's start-up lines."""
+    def setup(
+        self, cfg_dict: dict, port: int, threads: int, resume: bool, peak: float | None, restart: int
+    ) -> dict:
+        """Join the process group and build the run (`restart` > 0: a fresh mesh after a failed
+        one, resuming from the newest checkpoint as plait.train.loop does); returns this rank's
+        place in the batch (its data rank and their number), the sampler's position and rank
+        0's start-up lines."""
         cfg = config_from_dict(cfg_dict)
         world = cfg.world_size
         os.environ.update(
@@ -81,12 +85,14 @@ class RankActor(Actor):
             WORLD_SIZE=str(world),
             LOCAL_RANK=str(self.rank),
             LOCAL_WORLD_SIZE=str(world),
+            # what an SPMD rank of a restarted job sees (step hooks read it: plait.testing)
+            TORCHELASTIC_RESTART_COUNT=str(restart),
         )
         torch.set_num_threads(threads)  # as an SPMD rank's OMP_NUM_THREADS: the same kernels
         mesh = loop.make_mesh(cfg)
         out: dict = {}
         with _captured(out):
-            run = self.run = loop._setup(cfg, mesh, resume, peak, 0, StopRequest())
+            run = self.run = loop._setup(cfg, mesh, resume, peak, restart, StopRequest())
             report.announce(run)
         run.metrics.close()  # the controller writes the metrics (an empty append: nothing lost)
         run.engine.module.train()

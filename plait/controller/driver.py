@@ -99,19 +99,44 @@ class Controller:
         # A failed run's mesh is stopped at once: a rank blocked in a collective with a failed
         # peer is not waited for (Monarch's defaults: 10 s each)
         configure(stop_actor_timeout="2s", mesh_terminate_timeout="2s", process_exit_timeout="2s")
-        with _Stop() as stop:
-            procs = this_host().spawn_procs(per_host=mesh_dims(self.cfg))
-            previous, monarch.actor.unhandled_fault_hook = monarch.actor.unhandled_fault_hook, _quiet
-            try:
-                return self._drive(procs, stop)
-            except RankFailed as exc:  # the first failure seen, reported once
-                sys.stderr.write(
-                    f"\nplait: rank {exc.rank} failed; the job was stopped. Its error:\n{exc.error}\n"
-                )
-                return 1
-            finally:
-                procs.stop().get()
-                monarch.actor.unhandled_fault_hook = previous
+        limit = self.cfg.train.max_restarts
+        previous, monarch.actor.unhandled_fault_hook = monarch.actor.unhandled_fault_hook, _quiet
+        try:
+            with _Stop() as stop:
+                for restart in range(limit + 1):
+                    try:
+                        return self._attempt(stop, restart)
+                    except RankFailed as exc:  # the first failure seen, reported once
+                        again = restart < limit and not stop.signum
+                        what = (
+                            "a fresh mesh resumes from the newest checkpoint"
+                            if again
+                            else "the job was stopped"
+                        )
+                        sys.stderr.write(
+                            f"\nplait: rank {exc.rank} failed; {what}. Its error:\n{exc.error}\n"
+                        )
+                        if not again:
+                            return 1
+        finally:
+            monarch.actor.unhandled_fault_hook = previous
+        return 1
+
+    def _attempt(self, stop: _Stop, restart: int) -> int:
+        """One mesh, from spawn to stop; `restart`: how many meshes failed before it (it then
+        resumes from the newest checkpoint, as a restarted SPMD job does: train.max_restarts)."""
+        self.writers = []
+        procs = this_host().spawn_procs(per_host=mesh_dims(self.cfg))
+        try:
+            return self._drive(procs, stop, restart)
+        finally:
+            self._close_writers()  # before a fresh mesh's rank 0 truncates the files on resume
+            procs.stop().get()
+
+    def _close_writers(self) -> None:
+        for w in self.writers:
+            w.close()
+        self.writers = []
 
     def _spawn(self, procs) -> None:
         actors = procs.spawn("plait", RankActor)
@@ -127,10 +152,10 @@ class Controller:
     def _each_rank(self, endpoint: str, args) -> list:
         return [getattr(r, endpoint).call_one(*a) for r, a in zip(self.ranks, args)]
 
-    def _setup(self, procs) -> None:
+    def _setup(self, procs, restart: int) -> None:
         self._spawn(procs)
         cfg = self.cfg
-        args = (cfg.to_dict(), free_port(), self.threads, self.resume, self.peak)
+        args = (cfg.to_dict(), free_port(), self.threads, self.resume, self.peak, restart)
         setups = _gather(self._each("setup", *args))
         first = setups[0]
         _print(first.get("lines", ""))
@@ -163,8 +188,8 @@ class Controller:
             for r in range(self.world)
         ]
 
-    def _drive(self, procs, stop: _Stop) -> int:
-        self._setup(procs)
+    def _drive(self, procs, stop: _Stop, restart: int) -> int:
+        self._setup(procs, restart)
         cfg, t = self.cfg, self.cfg.train
         self.bar = tqdm(
             total=t.steps,
@@ -191,8 +216,7 @@ class Controller:
         if stop.signum:
             return self._stopped(stop.signum)
         self.bar.close()
-        for w in self.writers:
-            w.close()
+        self._close_writers()
         ends = _gather(self._each("finish", self.loss, self.val_loss))
         _print(ends[0].get("lines", ""))
         return 0
@@ -240,8 +264,7 @@ class Controller:
             state = self.samplers[self.data_rank[0]].state_dict()
             _gather(self._each("save", self.done, state, True))
         self.bar.close()
-        for w in self.writers:
-            w.close()
+        self._close_writers()
         _gather(self._each("close"))
         name = signal.Signals(signum).name
         _print(
