@@ -62,8 +62,10 @@ def runs(shared_runs, tmp_path_factory):
     # the controller's checkpoint of step 4 (its sampler position the controller's) resumed by SPMD
     jobs["resumed"] = resume_job(jobs["dp2/controller"], base / "resumed", "--runtime.kind", "spmd")
     # rank 1 killed (SIGKILL) at step 6: the controller spawns a fresh mesh that resumes from step 4
-    recover = (*TINY, *LAYOUTS["dp2"], *CONTROLLER, "--train.max_restarts", "1")
-    jobs["recovered"] = train_job(base / "recovered", *recover, env=fault_env("1:6:kill"), timeout=400)
+    for name in ("dp2", "pp2-1f1b"):
+        recover = (*TINY, *LAYOUTS[name], *CONTROLLER, "--train.max_restarts", "1")
+        kill = fault_env("1:6:kill")
+        jobs[f"{name}/recovered"] = train_job(base / f"{name}-recovered", *recover, env=kill, timeout=400)
     return side_by_side(jobs)
 
 
@@ -89,15 +91,16 @@ def test_a_controller_checkpoint_resumes_under_spmd_exactly(runs):
     assert_runs_match(run, spmd, rtol=0, what="controller's step 4 resumed under spmd")
 
 
-def test_a_killed_rank_is_recovered_on_a_fresh_mesh_and_ends_as_if_uninterrupted(runs):
-    (run, r), (spmd, _) = runs["recovered"], runs["dp2/spmd"]
+@pytest.mark.parametrize("layout", ["dp2", "pp2-1f1b"])
+def test_a_killed_rank_is_recovered_on_a_fresh_mesh_and_ends_as_if_uninterrupted(runs, layout):
+    (run, r), (spmd, _) = runs[f"{layout}/recovered"], runs[f"{layout}/spmd"]
     assert r.returncode == 0, r.stderr[-3000:]
     assert "plait: rank 1 failed; a fresh mesh resumes from the newest checkpoint" in r.stderr
     assert "Killed(sig=9)" in r.stderr
     assert "restart 1 of train.max_restarts = 1 after a rank failed; resuming from" in r.stdout
     assert "step_00000004" in r.stdout
     assert sorted(metrics(run)) == list(range(1, 9))
-    assert_runs_match(run, spmd, rtol=0, what="killed at step 6 and recovered")
+    assert_runs_match(run, spmd, rtol=0, what=f"{layout}: killed at step 6 and recovered")
 
 
 def _stopped_run(run: Path, tag: str, signum: int | None, fault: dict | None) -> subprocess.CompletedProcess:
