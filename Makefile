@@ -10,7 +10,11 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: the CPU wheel on disk; the range in pyproject then installs nothing newer.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,hf,tensorboard]'
+	$(PY) -m pip install -q -e '.[dev,hf,tensorboard,controller]'
+	# Monarch without its dependencies: they are the [controller] extra; resolving them from the
+	# wheel would replace torch (it names the torch it was built with). pip cannot say --no-deps
+	# in an extra, so it is this line (docs/controller.md).
+	$(PY) -m pip install -q --no-deps torchmonarch==0.7.0
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from plait.async_training.ps_launch import launch_ps
+from plait.controller import launch_controller
 from plait.errors import ConfigError
 from plait.planner.auto import resolve_auto
 from plait.train.config import describe_keys, load_config, parse_overrides, read_config
@@ -66,6 +67,8 @@ def main(argv: list[str]) -> int:
                 "workers; run plait train directly, not under torchrun"
             )
         return launch_ps(cfg, resume=resume_dir is not None)
+    if cfg.runtime.kind == "controller":  # one driver program and Monarch actors (plait.controller)
+        return launch_controller(cfg, resume=resume_dir is not None, checkpoint=checkpoint)
     return launch(cfg, resume=resume_dir is not None, checkpoint=checkpoint)
 
 

@@ -32,6 +32,7 @@ COMM_TARGETS = ("gradient", "momentum")
 PLANS = ("manual", "auto")
 PS_CONSISTENCY = ("bsp", "ssp", "async")
 PS_OPTIMIZERS = ("sgd", "adagrad", "adamw")
+RUNTIMES = ("spmd", "controller")
 
 # Upper bounds of the sizes (docs/fault-tolerance.md, "Before start"): far above any real run, low
 # enough that a slip (a pasted number, a few zeros too many) is refused before start rather than
@@ -131,6 +132,13 @@ def check_values(cfg) -> None:
     require(0 <= o.momentum < 1, f"optim.momentum must be in [0, 1), got {o.momentum}")
     _valid("offload.optimizer", cfg.offload.optimizer, OFFLOADS, "is not valid")
     _check_ps(cfg.ps)
+    _valid("runtime.kind", cfg.runtime.kind, RUNTIMES)
+    require(cfg.runtime.run_ahead >= 1, f"runtime.run_ahead must be >= 1, got {cfg.runtime.run_ahead}")
+    require(
+        not (cfg.runtime.kind == "controller" and cfg.ps.servers),
+        f"ps.servers = {cfg.ps.servers} with runtime.kind = 'controller': the parameter server is a "
+        "runtime of its own; use runtime.kind = 'spmd'",
+    )
     _check_model(cfg.model)
     if cfg.log.tensorboard:
         try:

@@ -91,19 +91,7 @@ def _resolve_device(name: str) -> torch.device | None:
 def run(cfg: Config, resume: bool = False, peak_flops: float | None = None, restart: int = 0) -> dict:
     """Train on this rank (inside a launcher's environment); returns rank 0's summary. `restart`:
     how many times the launcher restarted the job (it then resumes from the newest checkpoint)."""
-    device = init_distributed(
-        _resolve_device(cfg.train.device), timeout_s=max(1800.0, 2 * cfg.comm.timeout_s)
-    )
-    p = cfg.parallel
-    mesh = Mesh(
-        pp=p.pp,
-        dp=p.dp,
-        ep=p.ep,
-        tp=p.tp,
-        device=device,
-        timeout_s=cfg.comm.timeout_s,
-        dp_shard=p.hybrid_shard or None,
-    )
+    mesh = make_mesh(cfg)
     stop = StopRequest()  # SIGTERM's, for this run only
     previous = stop.install()
     try:
@@ -116,6 +104,23 @@ def run(cfg: Config, resume: bool = False, peak_flops: float | None = None, rest
         mesh.close()
         mesh.release_groups()
         dist.destroy_process_group()
+
+
+def make_mesh(cfg: Config) -> Mesh:
+    """The process group (from the launcher's environment) and the configured mesh over it."""
+    device = init_distributed(
+        _resolve_device(cfg.train.device), timeout_s=max(1800.0, 2 * cfg.comm.timeout_s)
+    )
+    p = cfg.parallel
+    return Mesh(
+        pp=p.pp,
+        dp=p.dp,
+        ep=p.ep,
+        tp=p.tp,
+        device=device,
+        timeout_s=cfg.comm.timeout_s,
+        dp_shard=p.hybrid_shard or None,
+    )
 
 
 def _agreed_run_dir(cfg: Config, mesh: Mesh) -> Path:
@@ -325,8 +330,9 @@ def _restarting(run_dir: Path, mesh: Mesh, restart: int, limit: int) -> bool:
     return found is not None
 
 
-def _train_step(run: Run, step: int) -> dict:
-    """One optimizer step through the engine contract; returns the step's metric record."""
+def _train_step(run: Run, step: int, batch: list | None = None) -> dict:
+    """One optimizer step through the engine contract; returns the step's metric record. `batch`:
+    this rank's micro-batches when a controller sends them (plait.controller), else the sampler's."""
     cfg, mesh, engine = run.cfg, run.mesh, run.engine
     t, device = cfg.train, mesh.device
     mesh.ledger.set_step(step)
@@ -337,7 +343,7 @@ def _train_step(run: Run, step: int) -> dict:
     if timeline:
         engine.record_next_step()
     t0 = time.perf_counter()
-    micro = [(x.to(device), y.to(device)) for x, y in run.sampler.next_batch()]
+    micro = [(x.to(device), y.to(device)) for x, y in (batch or run.sampler.next_batch())]
     local_sum = engine.forward_backward(micro, 1.0 / run.local_tokens, lambda: _autocast(device, t.bf16))
     if timeline:
         report.write_timeline(engine, mesh, run.run_dir, time.perf_counter() - t0)

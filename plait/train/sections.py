@@ -217,6 +217,15 @@ class PsConfig:
 
 
 @dataclasses.dataclass
+class RuntimeConfig:
+    """Who runs the loop: spmd (every rank runs it, started by torch elastic) or controller (one
+    driver program owns the loop and the data, Monarch actors run the steps: docs/controller.md)."""
+
+    kind: str = _f("spmd", "spmd (one program per rank) or controller (single controller on Monarch)")
+    run_ahead: int = _f(2, "runtime.kind = controller: steps dispatched before the oldest one's loss is back")
+
+
+@dataclasses.dataclass
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -227,6 +236,7 @@ class Config:
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     ps: PsConfig = dataclasses.field(default_factory=PsConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
     @property
     def world_size(self) -> int:
@@ -258,6 +268,7 @@ SECTION_TYPES = {
     "offload": OffloadConfig,
     "ps": PsConfig,
     "log": LogConfig,
+    "runtime": RuntimeConfig,
 }
 
 

@@ -1,0 +1,43 @@
+"""The single-controller runtime (Pathways, Barham et al. MLSys 2022) on Monarch actors.
+
+One driver program owns the loop: it spawns a Monarch process mesh with the layout's named dims
+(pp, dp_replicate, dp_shard, ep, tp), one `RankActor` per rank, reads the data and sends each rank
+its micro-batches, dispatches up to `runtime.run_ahead` steps ahead as futures, and decides
+logging, evaluation and checkpoints; the actors build their part of the model with the same
+`plait.apply.parallelize` as `plait train`'s ranks and only compute. `plait train CONFIG
+--runtime.kind controller`; docs/controller.md.
+
+Monarch (`torchmonarch`) is optional: `plait[controller]` (pyproject) plus
+`pip install --no-deps torchmonarch==0.7.0`, as `make test` installs it.
+"""
+
+from __future__ import annotations
+
+from plait.errors import ConfigError
+
+INSTALL = "pip install 'plait[controller]' && pip install --no-deps torchmonarch==0.7.0"
+
+
+def require_monarch() -> None:
+    """Monarch and a cloudpickle it can use are importable, else one line saying how to get them."""
+    try:
+        import cloudpickle
+        import monarch.actor  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            f"runtime.kind = 'controller' needs Monarch (torchmonarch), which is not installed ({exc}): "
+            f"{INSTALL}"
+        ) from None
+    if int(cloudpickle.__version__.split(".")[0]) < 3:  # 2.x makes Monarch's first spawn panic
+        raise ConfigError(
+            f"runtime.kind = 'controller' needs cloudpickle >= 3 (Monarch's spawn), found "
+            f"{cloudpickle.__version__}: pip install 'cloudpickle>=3'"
+        )
+
+
+def launch_controller(cfg, resume: bool = False, checkpoint=None) -> int:
+    """`plait train` with runtime.kind = controller; returns the exit code (plait.controller.driver)."""
+    require_monarch()
+    from plait.controller.driver import launch
+
+    return launch(cfg, resume, checkpoint)

@@ -1,0 +1,334 @@
+"""The controller's loop: one program drives the mesh of `RankActor`s (plait.controller.actor).
+
+The controller reads the corpus and runs one `DistributedBatchSampler` per data rank (dp, or
+dp x ep), so it owns the data: each rank gets its own micro-batches with its step. Steps are
+dispatched as futures, up to `runtime.run_ahead` of them before the oldest one's records are
+back (Pathways' asynchronous dispatch: the controller's cost hides behind the devices' work);
+evaluation and checkpoints are queued right after the step they follow (Monarch delivers one
+sender's messages to an actor in order), and the records are consumed in step order: metrics,
+log lines and the progress bar are the controller's. SIGTERM or Ctrl-C stop the dispatch, drain
+the steps in flight, save a checkpoint of the last one and stop every process of the mesh.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import monarch.actor
+import torch
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # a process died
+from monarch.actor import ActorError, this_host
+from monarch.config import configure
+from tqdm import tqdm
+
+from plait.comm.ports import free_port
+from plait.controller.actor import RankActor
+from plait.data import DistributedBatchSampler, load_corpus
+from plait.errors import ConfigError
+from plait.train.build import micro_batches_per_step
+from plait.train.config import Config, model_config
+from plait.train.launch import INTERRUPTED_EXIT, _threads_per_rank, under_launcher
+from plait.train.metrics import MetricsWriter
+from plait.train.peak import peak_flops_per_rank
+from plait.train.preempt import PREEMPTED_EXIT
+from plait.train.preflight import check_before_start, check_run_dir
+from plait.train.rundir import claim_run
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "tp")  # outermost to innermost, as plait's ranks
+
+
+def mesh_dims(cfg: Config) -> dict[str, int]:
+    """The process mesh's named dims: the layout's degrees, dp split into replicate x shard."""
+    p = cfg.parallel
+    shard = p.hybrid_shard or p.dp
+    return dict(zip(DIMS, (p.pp, p.dp // shard, shard, p.ep, p.tp)))
+
+
+def launch(cfg: Config, resume: bool = False, checkpoint=None) -> int:
+    """Check, claim the run directory, spawn the mesh and drive it; returns the exit code."""
+    if under_launcher():
+        raise ConfigError(
+            "runtime.kind = 'controller' starts its own processes (a Monarch mesh); run plait train "
+            "directly, not under torchrun"
+        )
+    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    world = cfg.world_size
+    if use_cuda and world > torch.cuda.device_count():
+        found = torch.cuda.device_count()
+        raise ConfigError(f"{world} ranks need {world} GPUs on this machine, found {found}")
+    if cfg.train.run_dir:
+        check_run_dir(cfg.train.run_dir)
+    cfg, held = claim_run(cfg, resume, checkpoint)
+    with held:
+        check_before_start(cfg, use_cuda=use_cuda, ranks=world)
+        return Controller(cfg, resume, use_cuda).run()
+
+
+class _Stop:
+    """SIGTERM and SIGINT while the controller runs: a flag read between dispatches."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+
+    def __enter__(self):
+        handler = lambda signum, frame: setattr(self, "signum", self.signum or signum)  # noqa: E731
+        self.previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+
+
+class Controller:
+    """One run driven from this process: spawn, set up, the step loop, the end."""
+
+    def __init__(self, cfg: Config, resume: bool, use_cuda: bool):
+        self.cfg, self.resume, self.world = cfg, resume, cfg.world_size
+        self.threads = _threads_per_rank(self.world)
+        t = cfg.train
+        cpu = torch.device("cpu")
+        self.peak = None if use_cuda else peak_flops_per_rank(cpu, t.bf16, self.threads, t.peak_tflops)
+
+    def run(self) -> int:
+        # A failed run's mesh is stopped at once: a rank blocked in a collective with a failed
+        # peer is not waited for (Monarch's defaults: 10 s each)
+        configure(stop_actor_timeout="2s", mesh_terminate_timeout="2s", process_exit_timeout="2s")
+        limit = self.cfg.train.max_restarts
+        previous, monarch.actor.unhandled_fault_hook = monarch.actor.unhandled_fault_hook, _quiet
+        try:
+            with _Stop() as stop:
+                for restart in range(limit + 1):
+                    try:
+                        return self._attempt(stop, restart)
+                    except RankFailed as exc:  # the first failure seen, reported once
+                        again = restart < limit and not stop.signum
+                        what = (
+                            "a fresh mesh resumes from the newest checkpoint"
+                            if again
+                            else "the job was stopped"
+                        )
+                        sys.stderr.write(
+                            f"\nplait: rank {exc.rank} failed; {what}. Its error:\n{exc.error}\n"
+                        )
+                        if not again:
+                            return 1
+        finally:
+            monarch.actor.unhandled_fault_hook = previous
+        return 1
+
+    def _attempt(self, stop: _Stop, restart: int) -> int:
+        """One mesh, from spawn to stop; `restart`: how many meshes failed before it (it then
+        resumes from the newest checkpoint, as a restarted SPMD job does: train.max_restarts)."""
+        self.writers = []
+        procs = this_host().spawn_procs(per_host=mesh_dims(self.cfg))
+        try:
+            return self._drive(procs, stop, restart)
+        finally:
+            self._close_writers()  # before a fresh mesh's rank 0 truncates the files on resume
+            procs.stop().get()
+
+    def _close_writers(self) -> None:
+        for w in self.writers:
+            w.close()
+        self.writers = []
+
+    def _spawn(self, procs) -> None:
+        actors = procs.spawn("plait", RankActor)
+        dims = mesh_dims(self.cfg)
+        self.ranks = [  # one handle per rank, in rank order (row-major: tp fastest)
+            actors.slice(**dict(zip(dims, c))) for c in itertools.product(*(range(n) for n in dims.values()))
+        ]
+
+    def _each(self, endpoint: str, *args) -> list:
+        """`endpoint(*args)` on every rank: the futures, in rank order."""
+        return [getattr(r, endpoint).call_one(*args) for r in self.ranks]
+
+    def _each_rank(self, endpoint: str, args) -> list:
+        return [getattr(r, endpoint).call_one(*a) for r, a in zip(self.ranks, args)]
+
+    def _setup(self, procs, restart: int) -> None:
+        self._spawn(procs)
+        cfg = self.cfg
+        args = (cfg.to_dict(), free_port(), self.threads, self.resume, self.peak, restart)
+        setups = _gather(self._each("setup", *args))
+        first = setups[0]
+        _print(first.get("lines", ""))
+        _print(
+            f"plait: single controller (Monarch): {self.world} actor(s) on a mesh "
+            f"{' x '.join(f'{k} {v}' for k, v in mesh_dims(cfg).items())}, "
+            f"up to {cfg.runtime.run_ahead} step(s) in flight"
+        )
+        self.run_dir, self.start, self.last = Path(first["run_dir"]), first["start"], first["last"]
+        self.data_rank = [s["data_rank"] for s in setups]
+        d, t = cfg.data, cfg.train
+        spec = d.tokenizer if d.tokenizer == "bytes" else str(self.run_dir / "tokenizer.json")
+        corpus = load_corpus(d.corpus, d.held_out_fraction, spec, d.vocab_size, d.cache_dir or None, False)
+        self.samplers = {}
+        for r in sorted(set(self.data_rank)):
+            s = DistributedBatchSampler(
+                corpus.train,
+                model_config(cfg).seq_len,
+                t.global_batch,
+                r,
+                first["data_ranks"],
+                t.seed,
+                micro_batches=micro_batches_per_step(cfg),
+            )
+            s.load_state_dict(first["sampler"])  # the checkpoint's position on resume
+            self.samplers[r] = s
+        purge = self.start + 1 if self.start else None
+        self.writers = [
+            MetricsWriter(self.run_dir, r, tensorboard=cfg.log.tensorboard and r == 0, purge_step=purge)
+            for r in range(self.world)
+        ]
+
+    def _drive(self, procs, stop: _Stop, restart: int) -> int:
+        self._setup(procs, restart)
+        cfg, t = self.cfg, self.cfg.train
+        self.bar = tqdm(
+            total=t.steps,
+            initial=self.start,
+            disable=not t.progress,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=1.0,
+            file=sys.stderr,
+        )
+        self.loss, self.val_loss, self.done, self.saved = float("nan"), None, self.start, self.start
+        pending: deque = deque()
+        for step in range(self.start + 1, self.last + 1):
+            if stop.signum:
+                break
+            while len(pending) >= cfg.runtime.run_ahead:
+                self._consume(*pending.popleft())
+            if stop.signum:  # arrived while waiting: nothing more is sent
+                break
+            pending.append(self._dispatch(step))
+        while pending:
+            self._consume(*pending.popleft())
+        if stop.signum:
+            return self._stopped(stop.signum)
+        self.bar.close()
+        self._close_writers()
+        ends = _gather(self._each("finish", self.loss, self.val_loss))
+        _print(ends[0].get("lines", ""))
+        return 0
+
+    def _dispatch(self, step: int) -> tuple:
+        """Step `step` on every rank with its micro-batches, and what follows it (evaluation,
+        checkpoint), as futures; nothing here waits for a device."""
+        t = self.cfg.train
+        batches = {r: s.next_batch() for r, s in self.samplers.items()}
+        log = step % t.log_every == 0 or step == self.last
+        steps = self._each_rank("step", [(step, batches[r], log) for r in self.data_rank])
+        evals = None
+        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+            evals = self._each("evaluate", step, step == t.steps)
+        saves = None
+        if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == self.last:
+            saves = self._each("save", step, self.samplers[self.data_rank[0]].state_dict(), False)
+        return step, steps, evals, saves
+
+    def _consume(self, step: int, steps: list, evals: list | None, saves: list | None) -> None:
+        """Step `step`'s records, in order: log lines, metrics of every rank, the progress bar."""
+        records = _gather(steps)
+        for r, rec in enumerate(records):
+            lines = rec.pop("_lines", "")
+            if r == 0:
+                _print(lines)
+        if evals is not None:
+            for rec, held in zip(records, _gather(evals)):
+                if rec is records[0]:
+                    _print(held.pop("lines", ""))
+                held.pop("lines", None)
+                rec.update(held)
+            self.val_loss = records[0]["val_loss"]
+        for w, rec in zip(self.writers, records):
+            w.write(**rec)
+        self.loss, self.done = records[0]["loss"], step
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{self.loss:.3f}", refresh=False)
+        if saves is not None and all(_gather(saves)):
+            self.saved = step
+
+    def _stopped(self, signum: int) -> int:
+        """After SIGTERM or Ctrl-C: a checkpoint of the last step taken, then the exit code."""
+        if self.done > self.saved:
+            state = self.samplers[self.data_rank[0]].state_dict()
+            _gather(self._each("save", self.done, state, True))
+        self.bar.close()
+        self._close_writers()
+        _gather(self._each("close"))
+        name = signal.Signals(signum).name
+        _print(
+            f"plait: stopped by {name} after step {self.done}; checkpoint saved in "
+            f"{self.run_dir / 'checkpoints'}; continue with: plait train --resume {self.run_dir}"
+        )
+        return PREEMPTED_EXIT if signum == signal.SIGTERM else INTERRUPTED_EXIT
+
+
+def _gather(futures: list, wait_s: float = 0.5) -> list:
+    """The results of one call on every rank, in rank order. The first failure is raised as
+    soon as it is back, even while another rank still waits for the failed one in a collective
+    (which would hold it until the watchdog's timeout)."""
+    out, left = [None] * len(futures), list(range(len(futures)))
+    while left:
+        for i in list(left):
+            try:  # the first rank left is waited for; the others are only looked at
+                out[i] = futures[i].get(timeout=wait_s if i == left[0] else 0.001)
+                left.remove(i)
+            except TimeoutError:
+                pass
+            except (ActorError, SupervisionError) as exc:
+                raise _root_cause(futures, left, i, exc) from None
+    return out
+
+
+def _root_cause(futures: list, left: list, i: int, exc: Exception) -> RankFailed:
+    """Rank `i`'s failure or, when it failed in a collective because a peer's process died
+    (kill -9, a crash: "connection closed by peer"), the dead peer's, which reaches the
+    controller as a supervision event a few seconds later (Monarch's health checks: ~7 s here)."""
+    if isinstance(exc, SupervisionError) or not any(s in str(exc) for s in _PEER_GONE):
+        return RankFailed(i, exc)
+    deadline = time.monotonic() + 15.0
+    for j in left:
+        if j == i:
+            continue
+        try:
+            futures[j].get(timeout=max(0.001, deadline - time.monotonic()))
+        except SupervisionError as died:
+            return RankFailed(j, died)
+        except (ActorError, TimeoutError):
+            pass
+    return RankFailed(i, exc)
+
+
+# what a rank's collective raises when its peer is gone (gloo; NCCL's watchdog aborts instead)
+_PEER_GONE = ("by peer", "remote worker", "Connection closed", "Connection reset")
+
+
+class RankFailed(Exception):
+    """A rank's call raised (ActorError: the rank's traceback) or its process died
+    (SupervisionError)."""
+
+    def __init__(self, rank: int, error: Exception):
+        super().__init__(f"rank {rank}: {error}")
+        self.rank, self.error = rank, error
+
+
+def _quiet(failure) -> None:
+    """Monarch's hook for a failure no caller observed: the controller observes every one
+    through its futures (_gather) and reports it there."""
+
+
+def _print(text: str) -> None:
+    if text:
+        tqdm.write(text.rstrip("\n"), file=sys.stdout)
+        sys.stdout.flush()
