@@ -13,10 +13,11 @@ A probe's `command` runs under bash in a directory of its own, after a prelude t
 * `wait_step RUN N`, `wait_file PATH`, `last_step RUN`, `latest_step RUN`, `unique_steps RUN`,
   `record RUN STEP KEY`, `listening` (benchmarks/faults_checks.py).
 
-`SLOW` (benchmarks/faults_spec.py, with the other shell pieces) makes rank 0 sleep 0.25 s a step, so a signal lands mid-run. The exit code
-checked is the command's (the last one in it). Every probe also expects no process of the run
-left 10 s after the command ends (found by a token in their environment), and no `Traceback` on
-stderr unless `traceback` is set (a failing rank's own traceback is the promise there).
+`SLOW` (benchmarks/faults_spec.py, with the other shell pieces) makes rank 0 sleep 0.25 s a
+step, so a signal lands mid-run. The exit code checked is the command's (the last one in it).
+Every probe also expects no process of the run left 10 s after the command ends (found by a
+token in their environment), and no `Traceback` on stderr unless `traceback` is set (a failing
+rank's own traceback is the promise there).
 """
 
 from __future__ import annotations
