@@ -397,8 +397,8 @@ PROBES = [
     Probe(
         "nonfinite-one-rank-dp2",
         ("8",),
-        "rank 1's loss NaN at step 3 while rank 0's is finite (dp 2; fault mode `nan`)",
-        f"{FAULT}1:3:nan plait train $TINY --train.log_every 1 --train.run_dir run",
+        "rank 1's loss NaN at step 3 while rank 0's is finite (dp 2; fault mode `nanloss`)",
+        f"{FAULT}1:3:nanloss plait train $TINY --train.log_every 1 --train.run_dir run",
         line=r"step 3 skipped",
         check='echo "step 3 skipped: $(record run 3 skipped)"; test "$(record run 3 skipped)" = True',
         expect="every rank skips step 3 and the run ends",
@@ -406,8 +406,8 @@ PROBES = [
     Probe(
         "nonfinite-one-rank-pp2",
         ("8",),
-        "the first stage's loss NaN at step 3 (pp 2; fault mode `nan`)",
-        f"{FAULT}0:3:nan plait train $TINY --parallel.dp 1 --parallel.pp 2 --train.log_every 1"
+        "the first stage's loss NaN at step 3 (pp 2; fault mode `nanloss`)",
+        f"{FAULT}0:3:nanloss plait train $TINY --parallel.dp 1 --parallel.pp 2 --train.log_every 1"
         " --train.run_dir run",
         line=r"step 3 skipped",
         check='echo "step 3 skipped: $(record run 3 skipped)"; test "$(record run 3 skipped)" = True',
