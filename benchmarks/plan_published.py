@@ -24,7 +24,7 @@ from pathlib import Path
 
 from plait.models.gpt import GPTConfig
 from plait.planner.cluster import PRESETS
-from plait.planner.cost import Layout, evaluate
+from plait.planner.cost import Candidate, evaluate
 from plait.planner.search import check_runnable, load_plan_config, plan
 
 # params (B), heads, hidden, layers, tp, pp, GPUs, batch, reported TFLOP/s per GPU
@@ -44,15 +44,15 @@ V, SEQ = 51200, 2048
 OUT = Path(__file__).parent / "results" / "plan_published.md"
 
 
-def row_layout(heads, layers, tp, pp, gpus, batch) -> Layout:
+def row_layout(heads, layers, tp, pp, gpus, batch) -> Candidate:
     dp = gpus // (tp * pp)
     rows = batch // dp
     if pp == 1:
-        return Layout(
+        return Candidate(
             dp=dp, tp=tp, pp=1, sequence_parallel=False, microbatch_size=1, microbatches=rows, recompute=True
         )
     v = 2 if layers % (2 * pp) == 0 else layers // pp
-    return Layout(
+    return Candidate(
         dp=dp, tp=tp, pp=pp, microbatch_size=1, microbatches=rows, schedule="interleaved", virtual_stages=v,
         recompute=True,
     )  # fmt: skip

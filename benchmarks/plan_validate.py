@@ -39,7 +39,7 @@ from pathlib import Path
 from _common import command_line, machine_info, markdown_table
 
 from plait.planner.calibrate import cache_path, load_this
-from plait.planner.cost import Layout, evaluate
+from plait.planner.cost import Candidate, evaluate
 from plait.planner.search import layout_config, plan
 from plait.train.config import load_config, model_config
 
@@ -56,15 +56,15 @@ def out(ext: str) -> Path:
     return RESULTS / f"{STEM[0]}{ext}"
 
 
-def _l(dp=1, tp=1, pp=1, z=0, sp=False, m=1, sched="none", v=1, rc=False, rows=16) -> Layout:
+def _l(dp=1, tp=1, pp=1, z=0, sp=False, m=1, sched="none", v=1, rc=False, rows=16) -> Candidate:
     per = rows // dp
-    return Layout(
+    return Candidate(
         dp=dp, tp=tp, pp=pp, zero_stage=z, sequence_parallel=sp, microbatch_size=per // m, microbatches=m,
         schedule=sched, virtual_stages=v, recompute=rc,
     )  # fmt: skip
 
 
-def layouts(world: int, rows: int) -> list[Layout]:
+def layouts(world: int, rows: int) -> list[Candidate]:
     """The measured layouts (8 per world): dp with ZeRO 0, 1, 3; tp with and without SP;
     pipelines under three schedules; their combinations."""
     if world == 2:
@@ -98,7 +98,7 @@ def base_config(model: str, steps: int):
     return load_config(None, overrides)
 
 
-def measure(base, layout: Layout, workdir: Path) -> float:
+def measure(base, layout: Candidate, workdir: Path) -> float:
     """Median step time (max over ranks) of a short plait train run of `layout`."""
     cfg = layout_config(base, layout, bf16=False)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -188,7 +188,7 @@ def main() -> int:
         for world in map(int, args.worlds.split(",")):
             chosen = plan(base, gpt, batch, world, cluster, top=1, optimizer="adamw", bf16=False)
             first = chosen["plans"][0]
-            pick = Layout(**{k: first[k] for k in Layout.__dataclass_fields__})
+            pick = Candidate(**{k: first[k] for k in Candidate.__dataclass_fields__})
             group = layouts(world, batch)
             group = group[:3] if args.quick else group
             if pick not in group:
@@ -239,7 +239,7 @@ def reprice() -> int:
     for r in saved["rows"]:
         base = base_config(r["model"], 10)
         gpt = model_config(base)
-        lay = Layout(**r["layout_fields"]) if "layout_fields" in r else _by_name(gpt, base, r, cluster)
+        lay = Candidate(**r["layout_fields"]) if "layout_fields" in r else _by_name(gpt, base, r, cluster)
         r["layout_fields"] = dataclasses.asdict(lay)
         r["predicted_first_run_s"] = r.get("predicted_first_run_s", r["predicted_s"])
         r["predicted_s"] = evaluate(gpt, base.train.global_batch, lay, cluster, precision="fp32")["step_s"]
@@ -250,7 +250,7 @@ def reprice() -> int:
     return 0
 
 
-def _by_name(gpt, base, row, cluster) -> Layout:
+def _by_name(gpt, base, row, cluster) -> Candidate:
     """The layout of a saved row that has only its name (results written before layout_fields)."""
     from plait.planner.search import enumerate_layouts
 

@@ -17,7 +17,7 @@ from plait.cli import main
 from plait.models.gpt import GPTConfig
 from plait.pipeline.simulate import Costs, simulate
 from plait.planner.cluster import PRESETS, axis_links, load_cluster
-from plait.planner.cost import Layout, evaluate, stage_params
+from plait.planner.cost import Candidate, evaluate, stage_params
 from plait.planner.search import check_runnable, layout_config, load_plan_config, plan
 from plait.planner.stages import _GENERATORS, balanced_stages, brute_force_stages, inter_op_dp, pipeline_time
 from plait.train.config import model_config, validate
@@ -76,8 +76,8 @@ def test_pipeline_extrapolation_equals_a_full_simulation(kind):
 
 
 def test_memory_predictions_equal_the_estimator():
-    lay = Layout(dp=16, tp=8, pp=8, zero_stage=1, sequence_parallel=True, microbatch_size=2, microbatches=48,
-                 schedule="1f1b", recompute=False)  # fmt: skip
+    lay = Candidate(dp=16, tp=8, pp=8, zero_stage=1, sequence_parallel=True, microbatch_size=2,
+                    microbatches=48, schedule="1f1b", recompute=False)  # fmt: skip
     got = evaluate(GPT175, 1536, lay, A100)["terms"]
     p_bytes, g_bytes, k = dtype_preset("bf16", "adamw")
     psi = stage_params(GPT175, lay)
@@ -92,12 +92,12 @@ def test_memory_predictions_equal_the_estimator():
     assert got["activation_bytes"] == per_mb * 8 + logits
     # The whole model's parameters, summed over tp and pp, are the GPT's own count (to the copy of
     # the tied embedding the last stage holds, and the ln_f / position embedding split).
-    flat = Layout(dp=1, tp=1, pp=1)
+    flat = Candidate(dp=1, tp=1, pp=1)
     assert stage_params(GPT175, flat) == GPT175.n_params()
 
 
 def test_an_infeasible_layout_is_rejected_with_its_reason():
-    lay = Layout(dp=1, tp=8, pp=1, microbatch_size=1, microbatches=8)
+    lay = Candidate(dp=1, tp=8, pp=1, microbatch_size=1, microbatches=8)
     out = evaluate(GPT175, 8, lay, A100)
     assert not out["feasible"]
     assert out["reason"].startswith("out of memory: needs ") and "GB over" in out["reason"]
@@ -105,7 +105,7 @@ def test_an_infeasible_layout_is_rejected_with_its_reason():
     assert over == pytest.approx(out["memory_gb"] - 80 * 0.9, abs=0.06)
     base = load_plan_config(None, [("model.name", "small")])
     # 4 heads do not split over tp = 8: plait's validation says so, and the plan is refused.
-    reason = check_runnable(base, Layout(dp=1, tp=8, pp=1))
+    reason = check_runnable(base, Candidate(dp=1, tp=8, pp=1))
     assert reason.startswith("not runnable:") and "n_head" in reason
 
 
@@ -128,7 +128,7 @@ def test_json_schema_and_plans_pass_config_validation(capsys):
     assert [r["step_s"] for r in feasible] == sorted(r["step_s"] for r in feasible)
     base = load_plan_config(None, [("model.name", "small"), ("train.global_batch", "32")])
     for r in feasible:
-        lay = Layout(**{f.name: r[f.name] for f in dataclasses.fields(Layout)})
+        lay = Candidate(**{f.name: r[f.name] for f in dataclasses.fields(Candidate)})
         validate(layout_config(base, lay), data=False)  # raises if plait would refuse it
 
 
@@ -216,7 +216,7 @@ def test_presets_and_optional_cluster_fields(tmp_path):
     )
     c = load_cluster(str(path))
     assert c.name == "c" and c.efficiency == 0.5 and c.pcie_gbps == 12.5 and c.memory_gb == 40.0
-    lay = Layout(dp=8, microbatch_size=1, microbatches=2)
+    lay = Candidate(dp=8, microbatch_size=1, microbatches=2)
     cfg = GPTConfig(vocab_size=51200, seq_len=1024, n_layer=12, n_head=12, d_model=768)
     # Half the memory, five sixths of the efficiency: same memory figure, a slower step.
     a, b = evaluate(cfg, 16, lay, A100), evaluate(cfg, 16, lay, c)
@@ -251,12 +251,12 @@ def test_the_pipeline_engine_overhead_is_priced_per_micro_batch():
     with_o = dataclasses.replace(A100, pipeline_overhead=(("1f1b", o), ("zb-h1", o), ("zb-v", o)))
     cfg = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128)
     for schedule, most in (("1f1b", 1.05), ("zb-h1", 1.05), ("zb-v", 1.6)):
-        lay = Layout(dp=4, pp=2, microbatch_size=1, microbatches=m, schedule=schedule)
+        lay = Candidate(dp=4, pp=2, microbatch_size=1, microbatches=m, schedule=schedule)
         a, b = evaluate(cfg, 4 * m, lay, A100), evaluate(cfg, 4 * m, lay, with_o)
         assert b["terms"]["pipeline_engine_s"] == pytest.approx(m * o)
         assert a["terms"]["pipeline_engine_s"] == 0
         assert m * o * 0.99 <= b["step_s"] - a["step_s"] <= most * m * o, schedule
-    flat = Layout(dp=8, microbatch_size=16)
+    flat = Candidate(dp=8, microbatch_size=16)
     priced = evaluate(cfg, 4 * m, flat, with_o)
     assert priced["step_s"] == evaluate(cfg, 4 * m, flat, A100)["step_s"]
     assert priced["terms"]["pipeline_engine_s"] == 0
@@ -402,13 +402,13 @@ def test_rank_rate_models_ranks_sharing_cores():
 def test_cost_model_uses_measured_collectives_and_shares_a_cpu_node(this_cache):
     c = load_cluster("this")
     cfg = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128)
-    lay = Layout(dp=2, microbatch_size=8, microbatches=1)
+    lay = Candidate(dp=2, microbatch_size=8, microbatches=1)
     got = evaluate(cfg, 16, lay, c)
     psi = stage_params(cfg, lay)
     # fp32 gradients, one bucket, the measured 2-of-2 all-reduce: alpha + bus bytes / beta, exposed on a CPU.
     assert got["terms"]["dp_grad_s"] == pytest.approx(400e-6 + psi * 4 / 1e9, rel=1e-12)
     assert got["terms"]["dp_exposed_s"] == got["terms"]["dp_grad_s"]
-    four = evaluate(cfg, 16, Layout(dp=4, microbatch_size=4, microbatches=1), c)
+    four = evaluate(cfg, 16, Candidate(dp=4, microbatch_size=4, microbatches=1), c)
     # Half the rows per rank, at the rate of 4 ranks on 2 cores (the node's total shared by the ranks
     # computing at a time) and the efficiency of 512-token micro-batches instead of 1024.
     rate2, rate4 = (c.rank_flops(n, r["terms"]["computing_ranks"]) for n, r in ((2, got), (4, four)))
@@ -423,9 +423,9 @@ def test_cost_model_uses_measured_collectives_and_shares_a_cpu_node(this_cache):
     assert four["memory_gb"] < c.memory_gb * 0.9 / 4
     # tp 4: part of the step in collectives, and still every rank busy; a pipeline's bubble is
     # what frees cores (1F1B over 4 stages and 4 micro-batches: 3/7 of the step idle).
-    tp4 = evaluate(cfg, 16, Layout(tp=4, sequence_parallel=True, microbatch_size=16), c)
+    tp4 = evaluate(cfg, 16, Candidate(tp=4, sequence_parallel=True, microbatch_size=16), c)
     assert tp4["terms"]["computing_ranks"] > 3.9 > 4 * tp4["terms"]["compute_s"] / tp4["step_s"]
-    pp4 = evaluate(cfg, 16, Layout(pp=4, microbatch_size=4, microbatches=4, schedule="1f1b"), c)
+    pp4 = evaluate(cfg, 16, Candidate(pp=4, microbatch_size=4, microbatches=4, schedule="1f1b"), c)
     assert pp4["bubble"] > 0.3 and pp4["terms"]["computing_ranks"] < 4 * (1 - 0.3)
 
 
@@ -519,12 +519,12 @@ def test_tensor_parallel_prices_the_collectives_plait_sends(this_cache):
     # then the positions with the final norm: their gradients are partial over tp.
     partial = 2 * k * t("all_reduce", 3 * h * 4) + t("all_reduce", (128 + 2) * h * 4)
     for sp, per in ((False, t("all_reduce", act)), (True, t("all_gather", act) + t("reduce_scatter", act))):
-        got = evaluate(cfg, b, Layout(tp=2, sequence_parallel=sp, microbatch_size=b, microbatches=1), c)
+        got = evaluate(cfg, b, Candidate(tp=2, sequence_parallel=sp, microbatch_size=b, microbatches=1), c)
         want = 2 * k * per + 2 * k * per + (per + loss) + per
         assert got["terms"]["tp_ep_s"] == pytest.approx(want, rel=1e-12), sp
         assert got["terms"]["step_sync_s"] == pytest.approx(norm + (partial if sp else 0.0), rel=1e-12), sp
     # ZeRO-1 over dp 2: the norm over the shards, and the loss over dp (a float64 each).
-    z1 = evaluate(cfg, 2 * b, Layout(dp=2, zero_stage=1, microbatch_size=b, microbatches=1), c)
+    z1 = evaluate(cfg, 2 * b, Candidate(dp=2, zero_stage=1, microbatch_size=b, microbatches=1), c)
     assert z1["terms"]["step_sync_s"] == pytest.approx(2 * norm, rel=1e-12)
 
 
@@ -571,7 +571,7 @@ def test_the_step_sync_and_the_tp_share_enter_the_step(this_cache):
         return 400e-6 + bus_bytes(op, payload, 2) / 1e9
 
     norm = t("all_reduce", 8)
-    lay = Layout(tp=2, pp=2, sequence_parallel=True, microbatch_size=1, microbatches=2, schedule="1f1b")
+    lay = Candidate(tp=2, pp=2, sequence_parallel=True, microbatch_size=1, microbatches=2, schedule="1f1b")
     r = evaluate(cfg, 2, lay, c)
     x = r["terms"]
     assert r["step_s"] == pytest.approx(
@@ -585,12 +585,12 @@ def test_the_step_sync_and_the_tp_share_enter_the_step(this_cache):
         assert got == pytest.approx(partial + 3 * norm, rel=1e-12), bias
     # dp2 x tp2 + SP under ZeRO-3: the partial gradients summed once per unit (4 blocks and the
     # root), this rank's half of them; the norm over tp and over the shards, the loss over dp.
-    z3 = Layout(dp=2, tp=2, sequence_parallel=True, zero_stage=3, microbatch_size=4)
+    z3 = Candidate(dp=2, tp=2, sequence_parallel=True, zero_stage=3, microbatch_size=4)
     got = evaluate(cfg, 8, z3, c)["terms"]["step_sync_s"]
     half = (2 * 4 * 3 + s + 2) * h * 4 / 2
     assert got == pytest.approx(5 * 400e-6 + bus_bytes("all_reduce", half, 2) / 1e9 + 3 * norm, rel=1e-12)
     # compute at a fixed number of busy ranks: the tp share's efficiency, not the whole model's
-    one = Layout(tp=2, microbatch_size=8)
+    one = Candidate(tp=2, microbatch_size=8)
     whole = dataclasses.replace(c, tp_efficiency=())
     a = _evaluate(cfg, 8, one, c, computing=2.0)["terms"]["compute_s"]
     b = _evaluate(cfg, 8, one, whole, computing=2.0)["terms"]["compute_s"]

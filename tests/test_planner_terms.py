@@ -21,7 +21,7 @@ import pytest
 
 from plait.cli import main
 from plait.models.gpt import GPTConfig
-from plait.planner.cost import Layout, evaluate
+from plait.planner.cost import Candidate, evaluate
 from plait.planner.hardware import Cluster, Link
 
 H, S, NH = 64, 96, 4
@@ -112,7 +112,7 @@ def model_flops_per_token(V: int, L: int, rc: bool = False) -> float:
     return n * (24 * L * H * H + 4 * L * S * H) + 6 * H * V
 
 
-def plan_of(lay: Layout, cl: Cluster, V: int = 96, L: int = 4) -> tuple[dict, dict]:
+def plan_of(lay: Candidate, cl: Cluster, V: int = 96, L: int = 4) -> tuple[dict, dict]:
     batch = lay.microbatch_size * lay.microbatches * lay.dp
     out = evaluate(gpt(V, L), batch, lay, cl)
     return out, out["terms"]
@@ -132,7 +132,7 @@ def test_zero_volumes_are_2psi_and_3psi(n):
     psi = params_whole(96, 4)
     unit = psi * 2 * (n - 1) / n / beta  # Ψ bf16 bytes through a ring's (n-1)/n
     for stage, m, volume in [(0, 1, 2), (1, 1, 2), (2, 1, 2), (3, 1, 3), (3, 2, 5)]:
-        out, t = plan_of(Layout(dp=n, zero_stage=stage, microbatch_size=2, microbatches=m), cl)
+        out, t = plan_of(Candidate(dp=n, zero_stage=stage, microbatch_size=2, microbatches=m), cl)
         assert t["dp_exposed_s"] / unit == pytest.approx(volume, rel=EXACT), (stage, m)
         assert t["dp_grad_s"] / unit == pytest.approx(2 if stage == 0 else 1, rel=EXACT), stage
         # the gradient norm over the shards (ZeRO) and the loss over dp: a float64 each
@@ -151,13 +151,13 @@ def test_zero_model_states_and_the_optimizer_step(n):
     shard = -(-psi // n)
     want = {0: 16 * psi, 1: 4 * psi + 12 * shard, 2: 2 * psi + 14 * shard, 3: 16 * shard}
     for stage, states in want.items():
-        out, t = plan_of(Layout(dp=n, zero_stage=stage, microbatch_size=2), cluster())
+        out, t = plan_of(Candidate(dp=n, zero_stage=stage, microbatch_size=2), cluster())
         assert t["params_per_device"] == psi
         assert t["model_state_bytes"] == states, stage
         elems = psi if stage == 0 else psi / n
         assert t["optimizer_step_s"] == pytest.approx(2 * elems * 16 / MEM_BW, rel=EXACT), stage
     # offload: the host's Adam at its rate, the gradients down and the parameters up the PCIe link
-    lay = Layout(dp=n, zero_stage=2, microbatch_size=2, offload="cpu")
+    lay = Candidate(dp=n, zero_stage=2, microbatch_size=2, offload="cpu")
     out, t = plan_of(lay, cluster(pcie_gbps=10.0, host_adam_params_per_s=1e8))
     assert t["optimizer_step_s"] == pytest.approx(psi / n / 1e8 + psi / n * 4 / 10e9, rel=EXACT)
     assert t["model_state_bytes"] == 2 * psi + 2 * shard  # the optimizer's 12 bytes on the host
@@ -174,7 +174,7 @@ def test_data_parallel_overlaps_the_last_backward_and_zero3_gathers_behind_compu
     f, bw, w = passes(tokens, L)
     _, hb = logits(tokens, 96)
     for m in (1, 2):
-        out, t = plan_of(Layout(dp=n, zero_stage=3, microbatch_size=b, microbatches=m), cl)
+        out, t = plan_of(Candidate(dp=n, zero_stage=3, microbatch_size=b, microbatches=m), cl)
         rs = ring("reduce_scatter", psi * 2, n, alpha, beta, messages=L + 1)
         gather = ring("all_gather", psi * 2, n, alpha, beta, messages=L + 1)
         assert t["dp_grad_s"] == pytest.approx(rs, rel=EXACT)
@@ -183,7 +183,7 @@ def test_data_parallel_overlaps_the_last_backward_and_zero3_gathers_behind_compu
         exposed = (rs - (bw + w + hb)) + (2 * m * gather - m * (f + bw + w))
         assert t["dp_exposed_s"] == pytest.approx(exposed, rel=EXACT), m
     # ZeRO-1: one 25 MB bucket, all of it exposed (the last bucket), and the gather after the step
-    out, t = plan_of(Layout(dp=n, zero_stage=1, microbatch_size=b), cl)
+    out, t = plan_of(Candidate(dp=n, zero_stage=1, microbatch_size=b), cl)
     rs, gather = ring("reduce_scatter", psi * 2, n, alpha, beta), ring("all_gather", psi * 2, n, alpha, beta)
     assert t["dp_exposed_s"] == pytest.approx(rs + gather, rel=EXACT)
     # on devices, computing_ranks is every rank of the node
@@ -196,7 +196,7 @@ def test_data_parallel_step_mfu_memory_and_comm_share(n):
     sums, the optimizer step; MFU and TFLOP/s from Narayanan's FLOPs; memory from the states, one
     micro-batch's activations and the fp32 logits."""
     alpha, beta, b, m, L, V = 10e-6, 1e9, 2, 2, 4, 96
-    out, t = plan_of(Layout(dp=n, microbatch_size=b, microbatches=m), cluster(alpha, beta))
+    out, t = plan_of(Candidate(dp=n, microbatch_size=b, microbatches=m), cluster(alpha, beta))
     tokens, psi = b * S, params_whole(V, L)
     f, bw, w = passes(tokens, L)
     hf, hb = logits(tokens, V)
@@ -225,7 +225,7 @@ def test_data_parallel_step_mfu_memory_and_comm_share(n):
     assert out["memory_gb"] == pytest.approx((16 * psi + act + tokens * V * 4) / GB, rel=EXACT)
     assert out["feasible"]
     # recomputation: one more forward in B, Narayanan's 96lh² FLOPs, a layer's input kept
-    out, t = plan_of(Layout(dp=n, microbatch_size=b, microbatches=m, recompute=True), cluster(alpha, beta))
+    out, t = plan_of(Candidate(dp=n, microbatch_size=b, microbatches=m, recompute=True), cluster(alpha, beta))
     assert t["compute_s"] == pytest.approx(compute + m * f, rel=EXACT)
     step = compute + m * f + grad + sync + opt
     hw = model_flops_per_token(V, L, rc=True) * n * b * m * S
@@ -244,7 +244,7 @@ def test_tensor_parallel_moves_8bsh_per_layer(t_):
     alpha, beta, b, m, L, V = 10e-6, 1e9, 2, 2, 4, 96
     tokens = b * S
     for sp, rc in [(False, False), (True, False), (False, True)]:
-        lay = Layout(tp=t_, sequence_parallel=sp, recompute=rc, microbatch_size=b, microbatches=m)
+        lay = Candidate(tp=t_, sequence_parallel=sp, recompute=rc, microbatch_size=b, microbatches=m)
         out, t = plan_of(lay, cluster(0.0, beta))
         per_layer = (12 if rc else 8) * tokens * H * (t_ - 1) / t_ * 2  # bf16 bytes
         edges = 2 * 2 * tokens * H * 2 * (t_ - 1) / t_ + 2 * 3 * tokens * 4 * (t_ - 1) / t_
@@ -300,7 +300,7 @@ def test_pipeline_fill_drain_bubble_and_activations(kind):
     v = 2 if kind == "interleaved" else 1
     # (2, 16): more micro-batches than the simulator runs (4p), the rest extrapolated
     for p, m in [(2, 4), (4, 4), (4, 8), (2, 16)]:
-        lay = Layout(pp=p, microbatch_size=b, microbatches=m, schedule=kind, virtual_stages=v)
+        lay = Candidate(pp=p, microbatch_size=b, microbatches=m, schedule=kind, virtual_stages=v)
         out, t = plan_of(lay, FAST, V, L)
         tokens = b * S
         f, bw, w = passes(tokens, L // p)
@@ -327,7 +327,7 @@ def test_zero_bubble_schedules(kind):
     V, L, b = 1, 8, 1
     for p, m in [(2, 8), (4, 8)]:
         v = 2 if kind == "zb-v" else 1  # ZB-V's V: two chunks a rank
-        lay = Layout(pp=p, microbatch_size=b, microbatches=m, schedule=kind, virtual_stages=v)
+        lay = Candidate(pp=p, microbatch_size=b, microbatches=m, schedule=kind, virtual_stages=v)
         out, t = plan_of(lay, FAST, V, L)
         f, bw, w = passes(b * S, L // p)
         hf, hb = logits(b * S, V)
@@ -346,7 +346,7 @@ def test_pipeline_messages_step_and_comm_share(kind, alpha, beta):
     GPipe's whatever their length.)"""
     V, L, b, p, m = 96, 8, 1, 4, 8
     v = 2 if kind == "interleaved" else 1
-    lay = Layout(pp=p, microbatch_size=b, microbatches=m, schedule=kind, virtual_stages=v)
+    lay = Candidate(pp=p, microbatch_size=b, microbatches=m, schedule=kind, virtual_stages=v)
     out, t = plan_of(lay, cluster(alpha, beta), V, L)
     tokens = b * S
     c = alpha + tokens * H * 2 / beta
@@ -379,7 +379,7 @@ def test_the_pipeline_engine_adds_its_overhead_to_every_micro_batch(kind):
     hf, hb = logits(b * S, V)
     o = 3 * f  # the actions' cost ratios stay exact at the simulator's three digits
     cl = cluster(alpha=0.0, beta=1e21, pipeline_overhead=((kind, o),))
-    out, t = plan_of(Layout(pp=p, microbatch_size=b, microbatches=m, schedule=kind), cl, V, L)
+    out, t = plan_of(Candidate(pp=p, microbatch_size=b, microbatches=m, schedule=kind), cl, V, L)
     assert t["pipeline_engine_s"] == pytest.approx(m * o, rel=EXACT)
     if kind == "gpipe":
         want = pipeline_want(kind, p, m, 1, f + bw + w + o, hf + hb)

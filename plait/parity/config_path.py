@@ -23,8 +23,8 @@ from plait.parity.runs import (
     reference_config,
 )
 from plait.planner.calibrate import cache_path
+from plait.planner.candidate import Candidate
 from plait.planner.cluster import load_cluster
-from plait.planner.layout import Layout as Candidate
 from plait.planner.search import layout_config, plan
 from plait.train.config import Config, model_config, validate
 

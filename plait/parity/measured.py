@@ -19,8 +19,8 @@ from __future__ import annotations
 import statistics
 
 from plait.layout import Layout
+from plait.planner.candidate import Candidate
 from plait.planner.cost import evaluate
-from plait.planner.layout import Layout as Candidate
 from plait.train.config import Config, model_config
 from plait.zero.estimate import model_state_bytes_formula
 

@@ -9,14 +9,14 @@ calibrate.py (`plait plan --calibrate`: this machine measured as the cluster `th
 """
 
 from plait.planner.cluster import PRESETS, Cluster, Link, load_cluster
-from plait.planner.cost import Layout, evaluate
+from plait.planner.cost import Candidate, evaluate
 from plait.planner.search import plan
 from plait.planner.stages import brute_force_stages, inter_op_dp
 
 __all__ = [
     "PRESETS",
     "Cluster",
-    "Layout",
+    "Candidate",
     "Link",
     "brute_force_stages",
     "evaluate",

@@ -24,11 +24,11 @@ from plait.errors import ConfigError
 from plait.models.resolve import model_config
 from plait.planner.calibrate import load_this
 from plait.planner.cluster import Cluster, Link
-from plait.planner.cost import Layout
+from plait.planner.cost import Candidate
 from plait.planner.search import check_runnable, enumerate_layouts, layout_config, plan
 from plait.train.config import Config, validate
 
-LAYOUT_KEYS = {  # config key: the Layout field it sets
+LAYOUT_KEYS = {  # config key: the Candidate field it sets
     "parallel.dp": "dp",
     "parallel.tp": "tp",
     "parallel.pp": "pp",
@@ -72,7 +72,7 @@ def auto_world(cfg) -> int:
     return cfg.parallel.world or cfg.world_size
 
 
-def matches(layout: Layout, cons: dict[str, object]) -> bool:
+def matches(layout: Candidate, cons: dict[str, object]) -> bool:
     """Does `layout` keep every constraint? (Pipeline micro-batches constrain pipelines, and
     gradient-accumulation micro-batches layouts without one.)"""
     for key, value in cons.items():
@@ -90,10 +90,10 @@ def matches(layout: Layout, cons: dict[str, object]) -> bool:
 
 
 def _one_process(cfg):
-    return layout_config(cfg, Layout(), bf16=cfg.train.bf16)
+    return layout_config(cfg, Candidate(), bf16=cfg.train.bf16)
 
 
-def _candidates(cfg, world: int) -> list[Layout]:
+def _candidates(cfg, world: int) -> list[Candidate]:
     cons = constraints(cfg)
     model = model_config(cfg)
     every = enumerate_layouts(model, cfg.train.global_batch, world, _ENUMERATION, cfg.model.dropout)
@@ -151,7 +151,7 @@ def resolve_auto(cfg, cluster: Cluster | None = None, top: int = 20, out=None):
         reasons = "; ".join(f"{r['layout']}: {r['reason']}" for r in result["plans"][:3])
         raise ConfigError(f"parallel.plan = 'auto': no feasible layout for {world} processes ({reasons})")
     best = feasible[0]
-    lay = Layout(**{f.name: best[f.name] for f in dataclasses.fields(Layout)})
+    lay = Candidate(**{f.name: best[f.name] for f in dataclasses.fields(Candidate)})
     chosen = layout_config(base, lay, bf16=cfg.train.bf16)
     validate(chosen)  # with the data check this time: the run is here
     if out is not None:

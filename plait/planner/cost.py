@@ -33,6 +33,7 @@ import math
 
 from plait.models.flops import gpt_train_flops_per_token
 from plait.models.gpt import GPTConfig
+from plait.planner.candidate import Candidate
 from plait.planner.cluster import Cluster
 from plait.planner.cost_terms import (
     ACT_BYTES,
@@ -51,13 +52,12 @@ from plait.planner.cost_terms import (
     step_sync_term,
     tp_ep_term,
 )
-from plait.planner.layout import Layout
 from plait.zero.estimate import GB, dtype_preset
 
-__all__ = ["ACT_BYTES", "BUCKET_BYTES", "Layout", "evaluate", "stage_params"]
+__all__ = ["ACT_BYTES", "BUCKET_BYTES", "Candidate", "evaluate", "stage_params"]
 
 
-def stage_params(cfg: GPTConfig, layout: Layout) -> int:
+def stage_params(cfg: GPTConfig, layout: Candidate) -> int:
     """Parameters one device holds on the heaviest pipeline stage (the first, with the embeddings,
     or the last, with ln_f and the head, whose copy of a tied embedding it keeps), after tp (which
     splits all but the norms and the row-parallel biases) and ep."""
@@ -85,7 +85,7 @@ def stage_params(cfg: GPTConfig, layout: Layout) -> int:
 def evaluate(
     cfg: GPTConfig,
     global_batch: int,
-    layout: Layout,
+    layout: Candidate,
     cluster: Cluster,
     *,
     optimizer: str = "adamw",
@@ -113,7 +113,7 @@ def evaluate(
 def _evaluate(
     cfg: GPTConfig,
     global_batch: int,
-    layout: Layout,
+    layout: Candidate,
     cluster: Cluster,
     *,
     optimizer: str = "adamw",

@@ -14,8 +14,8 @@ import math
 from plait.comm.ledger import bus_bytes
 from plait.models.flops import gpt_train_flops_per_token
 from plait.models.gpt import GPTConfig
+from plait.planner.candidate import Candidate
 from plait.planner.cluster import Cluster, Link, axis_links
-from plait.planner.layout import Layout
 from plait.planner.stages import pipeline_time
 from plait.zero.estimate import GB, activation_bytes, model_state_bytes_formula
 
@@ -56,7 +56,7 @@ class Setting:
     """What every term reads: the model, the layout, the cluster, and sizes derived from them."""
 
     cfg: GPTConfig
-    lo: Layout
+    lo: Candidate
     cluster: Cluster
     precision: str
     node_ranks: int
@@ -70,7 +70,7 @@ class Setting:
     """Bytes of one micro-batch's activations (tokens x d_model) on the tp and pp links."""
 
     @classmethod
-    def of(cls, cfg: GPTConfig, lo: Layout, cluster: Cluster, precision: str) -> Setting:
+    def of(cls, cfg: GPTConfig, lo: Candidate, cluster: Cluster, precision: str) -> Setting:
         tokens = lo.microbatch_size * cfg.seq_len
         return cls(
             cfg=cfg,

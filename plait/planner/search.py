@@ -33,7 +33,7 @@ from plait.errors import ConfigError
 from plait.models.gpt import GPTConfig
 from plait.pipeline.schedules import default_virtual_stages
 from plait.planner.cluster import Cluster
-from plait.planner.cost import Layout, evaluate
+from plait.planner.cost import Candidate, evaluate
 from plait.planner.stages import PLANNED_SCHEDULES, balanced_stages
 from plait.train.checks import MAX_PIPELINE_ACTIONS
 from plait.train.config import read_config, validate
@@ -58,22 +58,16 @@ def _pow2_upto(n: int) -> list[int]:
 def enumerate_layouts(
     cfg: GPTConfig, global_batch: int, devices: int, cluster: Cluster, dropout: float = 0.0
 ):
-    """Every layout the search considers for `devices` devices (a generator of `Layout`)."""
+    """Every layout the search considers for `devices` devices (a generator of `Candidate`)."""
     job = plait_layout.Job(experts=cfg.experts, dropout=dropout)
     for lay in _candidates(cfg, global_batch, devices, cluster):
         if plait_layout.refusal(as_layout(lay), job) is None:
             yield lay
 
 
-def as_layout(lay: Layout) -> plait_layout.Layout:
-    """The `plait.layout.Layout` a planned layout runs (what the combination table reads)."""
-    pp = lay.pp > 1
-    return plait_layout.Layout(
-        pp=lay.pp, dp=lay.dp, ep=lay.ep, tp=lay.tp, dp_shard=lay.hybrid_shard, zero_stage=lay.zero_stage,
-        sequence_parallel=lay.sequence_parallel, schedule=lay.schedule if pp else "1f1b",
-        microbatches=lay.microbatches if pp else 0, virtual_stages=lay.virtual_stages if pp else 0,
-        activation_checkpointing=lay.recompute, offload=lay.offload,
-    )  # fmt: skip
+def as_layout(lay: Candidate) -> plait_layout.Layout:
+    """The `plait.layout.Layout` a planned layout runs (`Candidate.layout`)."""
+    return lay.layout
 
 
 def _candidates(cfg: GPTConfig, global_batch: int, devices: int, cluster: Cluster):
@@ -106,7 +100,7 @@ def _candidates(cfg: GPTConfig, global_batch: int, devices: int, cluster: Cluste
                             for hs in hybrids:
                                 for rc in (False, True):
                                     for off in offloads:
-                                        yield Layout(
+                                        yield Candidate(
                                             dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero, hybrid_shard=hs,
                                             sequence_parallel=sp, microbatch_size=b, microbatches=m,
                                             schedule=schedule, virtual_stages=v, recompute=rc, offload=off,
@@ -128,7 +122,7 @@ def _schedules(pp: int, m: int, L: int):
         yield kind, v
 
 
-def layout_config(base, layout: Layout, bf16: bool = True):
+def layout_config(base, layout: Candidate, bf16: bool = True):
     """The plait `Config` that runs `layout`: `base` with the parallel keys set, and bf16 on or off
     (the cluster's precision: bf16 on accelerators, fp32 on a CPU)."""
     cfg = copy.deepcopy(base)
@@ -161,11 +155,11 @@ def load_plan_config(path=None, overrides=()):
     parallel keys reset to one device (the planner chooses them) and without the check that this
     machine's corpus holds a global batch (the plan is for another machine)."""
     cfg = read_config(path, overrides)
-    validate(layout_config(cfg, Layout()), data=False)
+    validate(layout_config(cfg, Candidate()), data=False)
     return cfg
 
 
-def check_runnable(base, layout: Layout, bf16: bool = True) -> str:
+def check_runnable(base, layout: Candidate, bf16: bool = True) -> str:
     """'' if plait's own config validation accepts `layout` on `base`, else its message."""
     try:
         validate(layout_config(base, layout, bf16), data=False)
@@ -247,8 +241,8 @@ def _branch_and_bound(bounds, price, runnable, top: int, rejected: list) -> tupl
     checks each pipeline schedule, seconds for a long one) runs on the final top K only. A plan it
     refuses is rejected with plait's message and the search runs again without it (rare: the
     enumeration follows the same rules)."""
-    priced: dict[Layout, dict] = {}
-    refused: set[Layout] = set()
+    priced: dict[Candidate, dict] = {}
+    refused: set[Candidate] = set()
     while True:
         best: list[dict] = []
         for lb_step, lay in bounds:

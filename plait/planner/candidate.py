@@ -1,13 +1,16 @@
 """The planner's candidate: one way to run a step of a GPT (the record the search enumerates and
-the cost model prices)."""
+the cost model prices): a `plait.layout.Layout` (its `layout`) with the micro-batching and the
+schedule the cost model needs. plait has one Layout; this is what the planner adds to it."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from plait import layout as plait_layout
+
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Candidate:
     """One way to run a step: the mesh, the sharding, the micro-batching, the schedule."""
 
     dp: int = 1
@@ -48,3 +51,15 @@ class Layout:
         if self.offload != "none":
             parts.append(f"off-{self.offload}")
         return "-".join(parts)
+
+    @property
+    def layout(self) -> plait_layout.Layout:
+        """The `plait.layout.Layout` this candidate runs (what the combination table reads)."""
+        pp = self.pp > 1
+        return plait_layout.Layout(
+            pp=self.pp, dp=self.dp, ep=self.ep, tp=self.tp, dp_shard=self.hybrid_shard,
+            zero_stage=self.zero_stage, sequence_parallel=self.sequence_parallel,
+            schedule=self.schedule if pp else "1f1b", microbatches=self.microbatches if pp else 0,
+            virtual_stages=self.virtual_stages if pp else 0, activation_checkpointing=self.recompute,
+            offload=self.offload,
+        )  # fmt: skip
