@@ -95,15 +95,19 @@ def run(cfg: Config, resume: bool = False, peak_flops: float | None = None, rest
     stop = StopRequest()  # SIGTERM's, for this run only
     previous = stop.install()
     try:
-        return _train(cfg, mesh, resume, peak_flops, restart, stop)
+        summary = _train(cfg, mesh, resume, peak_flops, restart, stop)
     except BaseException as exc:
         mesh.close(reason=f"failed with {type(exc).__name__}")  # what the other ranks' reports say
-        raise
-    finally:
         stop.uninstall(previous)
-        mesh.close()
-        mesh.release_groups()
-        dist.destroy_process_group()
+        # The groups stay up until the process exits: tearing them down here would reset the
+        # peers' connections before this rank's own error is written, and a peer's "connection
+        # reset" would then be reported as the job's first failure.
+        raise
+    stop.uninstall(previous)
+    mesh.close()
+    mesh.release_groups()
+    dist.destroy_process_group()
+    return summary
 
 
 def make_mesh(cfg: Config) -> Mesh:
