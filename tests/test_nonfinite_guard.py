@@ -58,7 +58,7 @@ def test_skipped_steps_are_counted_in_a_row_and_in_all(tmp_path, capsys):
     assert (run.skipped, run.skipped_in_a_row) == (4, 2)
     said = capsys.readouterr().out.splitlines()
     assert len(said) == 4
-    assert said[0].startswith("plait: step 1 skipped: non-finite loss nan, gradient norm inf")
+    assert said[0].startswith("plait: step 1 skipped: non-finite loss (nan) and gradient norm (inf)")
     assert "1 in a row, the run stops at train.max_nonfinite = 3" in said[0]
     assert "2 in a row" in said[1] and said[2].startswith("plait: step 4 skipped") and "1 in a row" in said[2]
     assert run.metrics.rows == [] and not run.metrics.closed
@@ -72,7 +72,7 @@ def test_the_max_in_a_row_stops_the_run_and_marks_it(tmp_path, capsys):
     with pytest.raises(DivergedError) as err:
         guard_nonfinite(run, 8, record)
     msg = str(err.value)
-    assert msg.startswith("training diverged at step 8: non-finite loss nan, gradient norm inf, ")
+    assert msg.startswith("training diverged at step 8: non-finite loss (nan) and gradient norm (inf), ")
     assert "2 steps in a row (train.max_nonfinite = 2); no checkpoint was saved before it" in msg
     assert (tmp_path / DIVERGED).read_text() == "8\n"
     assert run.metrics.rows == [record] and record["skipped_steps"] == 2 and run.metrics.closed
