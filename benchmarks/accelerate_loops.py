@@ -1,11 +1,11 @@
-"""The two training loops benchmarks/accelerate.py compares: Hugging Face Accelerate with its FSDP
+"""The two training loops benchmarks/accelerate_peer.py compares: Hugging Face Accelerate with its FSDP
 plugin, and plait.parallelize with ZeRO-3, on the same transformers Llama.
 
-Each rank runs this file (`accelerate.py` launches it: torchrun from the Accelerate venv, `plait
+Each rank runs this file (`accelerate_peer.py` launches it: torchrun from the Accelerate venv, `plait
 launch` from plait's). The loops get the same things: the model's config and initial weights and
-the global batches (files written by accelerate.py), AdamW's settings. Each takes its rows of every
+the global batches (files written by accelerate_peer.py), AdamW's settings. Each takes its rows of every
 global batch (rank r: rows [r B/2, (r+1) B/2)), so both see the same data in the same order.
-Between the `user code` markers is what a user writes for each library; accelerate.py quotes it.
+Between the `user code` markers is what a user writes for each library; accelerate_peer.py quotes it.
 
     python benchmarks/accelerate_loops.py accelerate|plait WORK_DIR
 """
@@ -18,15 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-# benchmarks/ holds accelerate.py: on sys.path (a script's directory is) it would shadow the library
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 
 def build_model(work: Path):
-    """The same LlamaForCausalLM on every rank and both sides: config and weights from accelerate.py."""
+    """The same LlamaForCausalLM on every rank and both sides: config and weights from accelerate_peer.py."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**json.loads((work / "config.json").read_text()))

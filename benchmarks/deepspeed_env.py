@@ -55,8 +55,7 @@ def ensure_venv(
     check = f"import {imports}; print(json.dumps([{versions}]))"
 
     def probe() -> tuple[bool, str]:
-        # from the venv's parent: a `python -c` imports from its working directory first, and
-        # benchmarks/ holds an accelerate.py
+        # from the venv's parent: a `python -c` imports from its working directory first
         r = subprocess.run(
             [str(python), "-c", check], capture_output=True, text=True, env=env, cwd=venv.parent
         )

@@ -1,8 +1,8 @@
 """plait ZeRO-3 against Hugging Face Accelerate's FSDP plugin on the same transformers Llama, from
 the user's own training loop, 2 processes on the CPU (gloo).
 
-    .venv/bin/python benchmarks/accelerate.py                 # -> benchmarks/results/accelerate.md + .png
-    .venv/bin/python benchmarks/accelerate.py --steps 10 --out /tmp/acc.md    # a quick look
+    .venv/bin/python benchmarks/accelerate_peer.py            # -> benchmarks/results/accelerate.md + .png
+    .venv/bin/python benchmarks/accelerate_peer.py --steps 10 --out /tmp/acc.md    # a quick look
 
 The model is a tiny `LlamaForCausalLM` built from `LlamaConfig` (no download): 4 layers, d 256,
 4 heads, 2 key-value heads (grouped-query attention), d_ff 688, sequence 128, vocabulary the 256
@@ -46,10 +46,6 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 from _common import command_line, corpus_batches, machine_info, markdown_table, median_ms  # noqa: E402
 from deepspeed_env import ACCELERATE_VENV, ensure_accelerate, last_lines  # noqa: E402
-
-# This file is named accelerate.py: with its directory on sys.path, `import accelerate` (which
-# transformers tries) would find it instead of the library. The helpers are imported; drop it.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 RESULTS = HERE / "results" / "accelerate.md"
 LOOPS = HERE / "accelerate_loops.py"
