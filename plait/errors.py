@@ -5,6 +5,17 @@ class PlaitError(Exception):
     """Base class of every error plait raises on purpose."""
 
 
+def error_names() -> set[str]:
+    """The class names of PlaitError and every subclass defined so far (in any module): a rank's
+    error that starts with one of them says what to change, and is shown as its line alone."""
+    names, todo = set(), [PlaitError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
 class ConfigError(PlaitError):
     """An invalid configuration: unknown key, wrong type, inconsistent sizes."""
 

@@ -43,7 +43,7 @@ from torch.distributed.launcher import api as elastic_api
 
 from plait.comm.ports import LOOPBACK, free_port, listen_on_loopback, loopback_store
 from plait.comm.recorder import WATCHDOG_PREFIX
-from plait.errors import ConfigError
+from plait.errors import ConfigError, error_names
 from plait.train import loop
 from plait.train.config import Config, config_from_dict
 from plait.train.console import survive_closed_output
@@ -318,17 +318,6 @@ def _launch_config(cfg: Config, world: int, store_port: int | None = None) -> el
     )
 
 
-_PLAIT_ERRORS = {
-    "ConfigError",
-    "TopologyError",
-    "CommError",
-    "CheckpointError",
-    "DataParallelError",
-    "DivergedError",
-    "ReplicaMismatchError",
-}
-
-
 _STILL_RUNNING = -1  # the exit code given to a rank that had written its error but not yet exited
 
 
@@ -376,7 +365,7 @@ def format_child_failure(exc, elapsed: float) -> str:
         ]
     elif isinstance(msg, dict):
         text = msg.get("message", "")
-        if text.split(":", 1)[0] in _PLAIT_ERRORS:  # plait's own errors say what to change
+        if text.split(":", 1)[0] in error_names():  # plait's own errors say what to change
             lines.append(text)
         else:
             lines.append(msg.get("extraInfo", {}).get("py_callstack") or text)
