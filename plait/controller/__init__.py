@@ -5,7 +5,9 @@ One driver program owns the loop: it spawns a Monarch process mesh with the layo
 its micro-batches, dispatches up to `runtime.run_ahead` steps ahead as futures, and decides
 logging, evaluation and checkpoints; the actors build their part of the model with the same
 `plait.apply.parallelize` as `plait train`'s ranks and only compute. `plait train CONFIG
---runtime.kind controller`; docs/controller.md.
+--runtime.kind controller`; docs/controller.md. `mesh(layout)` is the same for a program of the
+user's own (the driver API, plait.controller.program): it owns the loop, the ranks run
+`plait.parallelize`'s engine.
 
 Monarch (`torchmonarch`) is optional: `plait[controller]` (pyproject) plus
 `pip install --no-deps torchmonarch==0.7.0`, as `make test` installs it.
@@ -33,6 +35,21 @@ def require_monarch() -> None:
             f"runtime.kind = 'controller' needs cloudpickle >= 3 (Monarch's spawn), found "
             f"{cloudpickle.__version__}: pip install 'cloudpickle>=3'"
         )
+
+
+def mesh(layout=None):
+    """A mesh of processes for `layout` (the keys of `plait.parallelize`: dp, tp, pp, ep,
+    zero_stage, ...) driven from this program, one Python program for the whole job:
+
+        with plait.controller.mesh({"dp": 2, "zero_stage": 3}) as m:
+            m.parallelize(make_model, lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=loss_fn)
+            loss = m.step(batch).get()
+
+    An invalid layout is refused here, before any process starts (plait.controller.program)."""
+    require_monarch()
+    from plait.controller.program import DriverMesh
+
+    return DriverMesh(layout or {})
 
 
 def launch_controller(cfg, resume: bool = False, checkpoint=None) -> int:
