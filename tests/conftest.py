@@ -96,8 +96,16 @@ def fault_env(spec: str) -> dict[str, str]:
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:
-    """Rank 0's metric record of every step, by step."""
-    return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}
+    """Rank 0's metric record of every step, by step (an evaluation island's records, which hold
+    a held-out loss only, are not steps': `island_evals`)."""
+    return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("eval") != "island"}
+
+
+def island_evals(run_dir: Path) -> dict[int, float]:
+    """The held-out losses an evaluation island (runtime.eval_island) wrote, by step."""
+    return {
+        r["step"]: r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r.get("eval") == "island"
+    }
 
 
 def losses(run_dir: Path) -> dict[int, float]:

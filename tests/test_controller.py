@@ -17,7 +17,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import TINY, assert_runs_match, fault_env, metrics, resume_job, side_by_side, train_job
+from conftest import (
+    TINY,
+    assert_runs_match,
+    fault_env,
+    island_evals,
+    metrics,
+    resume_job,
+    side_by_side,
+    train_job,
+)
 
 from plait.cli import main
 from plait.train.export import completed_steps
@@ -62,6 +71,11 @@ def runs(shared_runs, tmp_path_factory):
     # the controller's checkpoint of step 4 (its sampler position the controller's) resumed by SPMD
     jobs["resumed"] = resume_job(jobs["dp2/controller"], base / "resumed", "--runtime.kind", "spmd")
     # rank 1 killed (SIGKILL) at step 6: the controller spawns a fresh mesh that resumes from step 4
+    # held-out evaluations every 2 steps, in-line (SPMD) and on an island (the weights of two stages)
+    evals = (*PP, "--parallel.schedule", "1f1b", "--train.eval_every", "2")
+    jobs["island/spmd"] = shared_runs.job(*TINY, *evals, timeout=300)
+    island = ("--runtime.eval_island", "true")
+    jobs["island/controller"] = train_job(base / "island", *TINY, *evals, *CONTROLLER, *island, timeout=400)
     for name in ("dp2", "pp2-1f1b"):
         recover = (*TINY, *LAYOUTS[name], *CONTROLLER, "--train.max_restarts", "1")
         kill = fault_env("1:6:kill")
@@ -89,6 +103,19 @@ def test_a_controller_checkpoint_resumes_under_spmd_exactly(runs):
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(metrics(run)) == list(range(1, 9))
     assert_runs_match(run, spmd, rtol=0, what="controller's step 4 resumed under spmd")
+
+
+def test_an_evaluation_island_gives_the_in_line_held_out_losses_while_training_goes_on(runs):
+    (run, r), (spmd, _) = runs["island/controller"], runs["island/spmd"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "held-out evaluations on an island of their own" in r.stdout
+    assert_runs_match(run, spmd, rtol=0, what="pp2 with an evaluation island")  # training untouched
+    got, want = island_evals(run), {s: m["val_loss"] for s, m in metrics(spmd).items() if "val_loss" in m}
+    assert sorted(got) == [2, 4, 6], got  # the last evaluation is in-line (the summary's)
+    assert "val_loss" in metrics(run)[8] and "val_loss" not in metrics(run)[2]
+    for step, val in got.items():  # one process on gathered weights vs two stages: sums reordered
+        assert abs(val - want[step]) <= 1e-5 * want[step], (step, val, want[step])
+    assert len({round(v, 3) for v in got.values()}) == 3  # each step's own weights, not one copy
 
 
 @pytest.mark.parametrize("layout", ["dp2", "pp2-1f1b"])
@@ -197,6 +224,7 @@ def test_the_controller_without_monarch_is_refused_in_one_line(monkeypatch, caps
         ((*CONTROLLER, "--runtime.run_ahead", "0"), "runtime.run_ahead must be >= 1, got 0"),
         ((*CONTROLLER, "--parallel.tp", "3"), "not divisible by parallel.tp = 3"),  # before any spawn
         ((*CONTROLLER, "--ps.servers", "1"), "the parameter server is a runtime of its own"),
+        (("--runtime.eval_island", "true"), "runtime.eval_island = true needs runtime.kind = 'controller'"),
     ],
 )
 def test_bad_runtime_input_is_refused_in_one_line_before_spawning(capsys, tmp_path, args, said):

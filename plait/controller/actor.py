@@ -145,6 +145,16 @@ class RankActor(Actor):
 
     @endpoint
     @_fails_once
+    def weights(self, step: int) -> dict | None:
+        """The parameters after `step`, whole, by name, for the evaluation island (a collective
+        on every rank); one rank per pipeline stage returns its stage's, the others None."""
+        run = self.run
+        params = run.engine.full_parameters()
+        first = run.mesh.rank(data_axis(run.mesh)) == 0 and run.mesh.rank("tp") == 0
+        return params if first else None
+
+    @endpoint
+    @_fails_once
     def save(self, step: int, sampler: dict, always: bool) -> bool:
         """A checkpoint of the state after `step` through the loop's DCP path, with the
         controller's sampler position (the data is the controller's); not while steps are being

@@ -28,7 +28,9 @@ from tqdm import tqdm
 
 from plait.comm.ports import free_port
 from plait.controller.actor import RankActor
+from plait.controller.island import EvalActor
 from plait.data import DistributedBatchSampler, load_corpus
+from plait.data.tokenizer import bits_per_byte
 from plait.errors import ConfigError
 from plait.train.build import micro_batches_per_step
 from plait.train.config import Config, model_config
@@ -125,12 +127,15 @@ class Controller:
     def _attempt(self, stop: _Stop, restart: int) -> int:
         """One mesh, from spawn to stop; `restart`: how many meshes failed before it (it then
         resumes from the newest checkpoint, as a restarted SPMD job does: train.max_restarts)."""
-        self.writers = []
+        self.writers, self.island, self.evals = [], None, deque()
         procs = this_host().spawn_procs(per_host=mesh_dims(self.cfg))
+        island = this_host().spawn_procs(per_host={"eval": 1}) if self.cfg.runtime.eval_island else None
         try:
-            return self._drive(procs, stop, restart)
+            return self._drive(procs, island, stop, restart)
         finally:
             self._close_writers()  # before a fresh mesh's rank 0 truncates the files on resume
+            if island is not None:
+                island.stop().get()
             procs.stop().get()
 
     def _close_writers(self) -> None:
@@ -152,12 +157,13 @@ class Controller:
     def _each_rank(self, endpoint: str, args) -> list:
         return [getattr(r, endpoint).call_one(*a) for r, a in zip(self.ranks, args)]
 
-    def _setup(self, procs, restart: int) -> None:
+    def _setup(self, procs, island, restart: int) -> None:
         self._spawn(procs)
         cfg = self.cfg
         args = (cfg.to_dict(), free_port(), self.threads, self.resume, self.peak, restart)
         setups = _gather(self._each("setup", *args))
         first = setups[0]
+        self.val_tokens_bytes = first["val_tokens_bytes"]
         _print(first.get("lines", ""))
         _print(
             f"plait: single controller (Monarch): {self.world} actor(s) on a mesh "
@@ -168,6 +174,9 @@ class Controller:
         self.data_rank = [s["data_rank"] for s in setups]
         d, t = cfg.data, cfg.train
         spec = d.tokenizer if d.tokenizer == "bytes" else str(self.run_dir / "tokenizer.json")
+        if island is not None:  # set up while the controller loads the corpus
+            self.island = island.spawn("plait_eval", EvalActor)
+            ready = self.island.setup.call_one(cfg.to_dict(), free_port(), 1, spec)
         corpus = load_corpus(d.corpus, d.held_out_fraction, spec, d.vocab_size, d.cache_dir or None, False)
         self.samplers = {}
         for r in sorted(set(self.data_rank)):
@@ -187,9 +196,12 @@ class Controller:
             MetricsWriter(self.run_dir, r, tensorboard=cfg.log.tensorboard and r == 0, purge_step=purge)
             for r in range(self.world)
         ]
+        if island is not None:
+            _island(ready, None)
+            _print("plait: held-out evaluations on an island of their own (1 process), the last in-line")
 
-    def _drive(self, procs, stop: _Stop, restart: int) -> int:
-        self._setup(procs, restart)
+    def _drive(self, procs, island, stop: _Stop, restart: int) -> int:
+        self._setup(procs, island, restart)
         cfg, t = self.cfg, self.cfg.train
         self.bar = tqdm(
             total=t.steps,
@@ -213,6 +225,7 @@ class Controller:
             pending.append(self._dispatch(step))
         while pending:
             self._consume(*pending.popleft())
+        self._island_records(wait=True)
         if stop.signum:
             return self._stopped(stop.signum)
         self.bar.close()
@@ -229,7 +242,9 @@ class Controller:
         log = step % t.log_every == 0 or step == self.last
         steps = self._each_rank("step", [(step, batches[r], log) for r in self.data_rank])
         evals = None
-        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+        if step != t.steps and self.island is not None and t.eval_every and step % t.eval_every == 0:
+            evals = ("island", self._each("weights", step))  # the island evaluates them
+        elif (t.eval_every and step % t.eval_every == 0) or step == t.steps:
             evals = self._each("evaluate", step, step == t.steps)
         saves = None
         if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == self.last:
@@ -243,7 +258,11 @@ class Controller:
             lines = rec.pop("_lines", "")
             if r == 0:
                 _print(lines)
-        if evals is not None:
+        if isinstance(evals, tuple):  # the weights of this step: on to the island, not waited for
+            parts = [w for w in _gather(evals[1]) if w is not None]
+            params = {k: v for part in parts for k, v in part.items()}
+            self.evals.append((step, self.island.evaluate.call_one(step, params)))
+        elif evals is not None:
             for rec, held in zip(records, _gather(evals)):
                 if rec is records[0]:
                     _print(held.pop("lines", ""))
@@ -257,6 +276,24 @@ class Controller:
         self.bar.set_postfix(loss=f"{self.loss:.3f}", refresh=False)
         if saves is not None and all(_gather(saves)):
             self.saved = step
+        self._island_records(wait=False)
+
+    def _island_records(self, wait: bool) -> None:
+        """The island's held-out losses that are back (all of them with `wait`), in step order:
+        a metrics record of their own, tagged with the step whose weights were evaluated."""
+        while self.evals:
+            step, future = self.evals[0]
+            try:
+                held = _island(future, None if wait else 0.001)
+            except TimeoutError:
+                return
+            self.evals.popleft()
+            bpb = bits_per_byte(held["val_loss"], *self.val_tokens_bytes)
+            self.writers[0].write(step=step, val_loss=held["val_loss"], val_bits_per_byte=bpb, eval="island")
+            _print(
+                f"step {step:>5}/{self.cfg.train.steps} | held-out loss {held['val_loss']:.4f} "
+                f"({bpb:.3f} bits/byte; evaluation island)"
+            )
 
     def _stopped(self, signum: int) -> int:
         """After SIGTERM or Ctrl-C: a checkpoint of the last step taken, then the exit code."""
@@ -272,6 +309,14 @@ class Controller:
             f"{self.run_dir / 'checkpoints'}; continue with: plait train --resume {self.run_dir}"
         )
         return PREEMPTED_EXIT if signum == signal.SIGTERM else INTERRUPTED_EXIT
+
+
+def _island(future, timeout: float | None):
+    """An island's future's value; its failure is reported as the island's."""
+    try:
+        return future.get(timeout=timeout)
+    except (ActorError, SupervisionError) as exc:
+        raise RankFailed("eval island", exc) from None
 
 
 def _gather(futures: list, wait_s: float = 0.5) -> list:
@@ -318,7 +363,7 @@ class RankFailed(Exception):
     """A rank's call raised (ActorError: the rank's traceback) or its process died
     (SupervisionError)."""
 
-    def __init__(self, rank: int, error: Exception):
+    def __init__(self, rank: int | str, error: Exception):
         super().__init__(f"rank {rank}: {error}")
         self.rank, self.error = rank, error
 

@@ -21,8 +21,7 @@ token cross-entropy (`loss_fn`, which a vocabulary-parallel head replaces), `gen
 greedily or with a temperature, and the model FLOPs per token are estimated as 6 x parameters
 (`train_flops_per_token`; Kaplan et al. 2020's C = 6N, attention's own FLOPs left out).
 
-Nothing here is parallel: plait's parallelize path (plait.train.build) applies tensor
-parallelism from the plan, ZeRO by the blocks and the pipeline by the split, as for its GPT.
+Nothing here is parallel: plait's parallelize path applies the plan, the blocks and the split.
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ def plot_loss_curve(records: list[dict], out: Path, title: str = "", baseline: f
     import matplotlib.pyplot as plt
 
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    held = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    # sorted: an evaluation island's records land when they are back, after later steps'
+    held = sorted((r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1.2)

@@ -223,6 +223,11 @@ class RuntimeConfig:
 
     kind: str = _f("spmd", "spmd (one program per rank) or controller (single controller on Monarch)")
     run_ahead: int = _f(2, "runtime.kind = controller: steps dispatched before the oldest one's loss is back")
+    eval_island: bool = _f(
+        False,
+        "runtime.kind = controller: held-out evaluations (but the last) on a process of their own, "
+        "while training goes on",
+    )
 
 
 @dataclasses.dataclass
