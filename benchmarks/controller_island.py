@@ -1,9 +1,10 @@
 """Evaluation on an island of its own vs in-line, under the single controller (issue 32 item 4).
 
 What is measured: `plait train configs/default.toml --runtime.kind controller` (the small GPT,
-dp = 2, gloo on the CPU), `--steps` steps, as three setups: `no periodic evaluation` (only the
-final one, in-line), `in-line` (a held-out evaluation every `--eval-every` steps on the training
-ranks: training waits for it) and `island` (the same evaluations on a third process,
+gloo on the CPU), `--steps` steps, at dp 2 and at dp 1, as three setups: `no periodic
+evaluation` (only the final one, in-line), `in-line` (a held-out evaluation every `--eval-every`
+steps on the training ranks: training waits for it) and `island` (the same evaluations on a
+process of their own,
 `runtime.eval_island = true`: the controller ships each evaluated step's weights there and goes on
 training). The setups run `--rounds` rounds in rotating order. Reported per setup: the median
 wall time of the training loop (the sum of rank 0's log intervals, a log line every step, the
@@ -12,8 +13,9 @@ time the periodic evaluations added over `no periodic evaluation`. The held-out 
 island and in-line evaluations are compared step by step (same weights, so equal to rounding).
 
 On a machine where the island has devices of its own the evaluations leave the training's
-critical path; on a 2-core CPU the island takes cores from the two training ranks, so it is
-measured as it is.
+critical path. On a 2-core CPU the island takes cores from the two training ranks at dp 2; at
+dp 1 the one training rank leaves the island the second core, the case of an island with
+devices of its own.
 
     .venv/bin/python benchmarks/controller_island.py [--rounds 3] [--steps 40] [--eval-every 10] [--quick]
 
@@ -43,23 +45,25 @@ SETUPS = {
 }
 
 
-def one_run(setup: str, steps: int, every: int, tmp: Path, i: int) -> dict:
-    """One run of `setup`: the training loop's wall time and its held-out losses by step."""
-    run_dir = tmp / f"{setup.replace(' ', '-')}-{i}"
+def one_run(setup: str, steps: int, every: int, dp: int, tmp: Path, i: int) -> dict:
+    """One run of `setup` at data-parallel degree `dp`: the training loop's wall time and its
+    held-out losses by step."""
+    run_dir = tmp / f"dp{dp}-{setup.replace(' ', '-')}-{i}"
     cmd = [
         sys.executable,
         "-m",
         "plait.cli",
         "train",
         str(ROOT / "configs" / "default.toml"),
-        *("--runtime.kind", "controller"),
+        *("--runtime.kind", "controller", "--parallel.dp", str(dp)),
         *(a.replace("EVERY", str(every)) for a in SETUPS[setup]),
         *("--train.steps", str(steps), "--train.log_every", "1", "--train.checkpoint_every", "0"),
         *("--train.sample_tokens", "0", "--train.progress", "false", "--train.run_dir", str(run_dir)),
     ]
-    r = subprocess.run(
-        cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
-    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if dp == 1:  # the rank takes one core (every setup), which leaves the island the other
+        env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if r.returncode != 0:
         raise SystemExit(f"{setup} failed ({r.returncode}):\n{r.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -72,17 +76,22 @@ def one_run(setup: str, steps: int, every: int, tmp: Path, i: int) -> dict:
     return {"loop_s": loop_s, "held": held, "losses": [r["loss"] for r in steps_]}
 
 
-def measure(rounds: int, steps: int, every: int) -> dict[str, list[dict]]:
+def measure(rounds: int, steps: int, every: int, dp: int) -> dict[str, list[dict]]:
     order = list(SETUPS)
     out: dict[str, list[dict]] = {s: [] for s in SETUPS}
     with tempfile.TemporaryDirectory(prefix="plait-bench-island-") as tmp:
         for i in range(rounds):
             for setup in order if i % 2 == 0 else order[::-1]:
-                out[setup].append(one_run(setup, steps, every, Path(tmp), i))
-                print(f"round {i + 1}/{rounds} {setup}: loop {out[setup][-1]['loop_s']:.1f} s", flush=True)
+                out[setup].append(one_run(setup, steps, every, dp, Path(tmp), i))
+                loop = out[setup][-1]["loop_s"]
+                print(f"dp {dp}, round {i + 1}/{rounds} {setup}: loop {loop:.1f} s", flush=True)
     return out
 
 
+DPS = {  # the training mesh's dp: with 2, the island shares the 2 cores; with 1, it has the second
+    2: "two training ranks; the island shares their 2 cores",
+    1: "one training rank on one core (OMP_NUM_THREADS=1); the island has the second core",
+}
 HEADERS = ["setup", "loop s (median)", "/ in-line", "evaluations' cost s", "held-out losses = in-line's"]
 
 
@@ -112,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.steps, args.eval_every = 1, 12, 4
     info, t0 = machine_info(), time.perf_counter()
-    results = measure(args.rounds, args.steps, args.eval_every)
-    table = rows(results)
-    print(text_table(HEADERS, table))
+    tables = {}
+    for dp, what in DPS.items():
+        tables[dp] = rows(measure(args.rounds, args.steps, args.eval_every, dp))
+        print(f"dp {dp}: {what}\n" + text_table(HEADERS, tables[dp]))
     if args.quick:
         return 0
     n_evals = (args.steps - 1) // args.eval_every
@@ -129,12 +139,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"- Command: `{command_line()}`",
                 *(f"- {k}: {v}" for k, v in info.items()),
                 f"- Runtime: {time.perf_counter() - t0:.0f} s",
-                f"- configs/default.toml (small GPT, dp = 2, CPU) under `--runtime.kind controller`, "
+                f"- configs/default.toml (small GPT, CPU) under `--runtime.kind controller`, "
                 f"{args.steps} steps, {n_evals} periodic evaluations (every {args.eval_every} steps) "
                 f"before the final one; {args.rounds} rounds, setups in rotating order; loop = the first "
                 "step's log line to the last's; medians.",
-                "",
-                markdown_table(HEADERS, table),
+                *(
+                    line
+                    for dp, what in DPS.items()
+                    for line in ("", f"## dp {dp}: {what}", "", markdown_table(HEADERS, tables[dp]))
+                ),
                 "",
             ]
         )

@@ -172,6 +172,8 @@ class Job:
     servers: int = 0  # parameter servers (plait.async_training); 0: none
     plan: str = "manual"
     api: bool = False  # plait.parallelize, the custom-loop API
+    runtime: str = "spmd"  # runtime.kind: spmd, or controller (one driver program)
+    eval_island: bool = False  # runtime.eval_island: evaluations on a process mesh of their own
 
     @classmethod
     def from_config(cls, cfg, api: bool = False) -> Job:
@@ -187,6 +189,8 @@ class Job:
             servers=cfg.ps.servers,
             plan=cfg.parallel.plan,
             api=api,
+            runtime=cfg.runtime.kind,
+            eval_island=cfg.runtime.eval_island,
         )
 
 
@@ -215,6 +219,8 @@ def features(layout: Layout, job: Job = Job()) -> frozenset[str]:
         "ps": job.servers > 0,
         "auto": job.plan == "auto",
         "api": job.api,
+        "controller": job.runtime == "controller",
+        "eval-island": job.eval_island,
     }
     on |= {name for name, value in flags.items() if value}
     kind = source_kind(job.source)

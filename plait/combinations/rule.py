@@ -32,6 +32,8 @@ FEATURES = {  # name: what turns it on
     "ps": "the parameter server: ps.servers > 0",
     "auto": "the planner chooses the layout: parallel.plan = auto",
     "api": "the custom-loop API: plait.parallelize",
+    "controller": "the single controller: runtime.kind = controller",
+    "eval-island": "evaluation on a process mesh of its own: runtime.eval_island",
 }
 # The features a generated row names: (config key, its name in the message templates, its value
 # when off, a value that turns it on for the row's example config).

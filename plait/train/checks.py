@@ -134,16 +134,6 @@ def check_values(cfg) -> None:
     _check_ps(cfg.ps)
     _valid("runtime.kind", cfg.runtime.kind, RUNTIMES)
     require(cfg.runtime.run_ahead >= 1, f"runtime.run_ahead must be >= 1, got {cfg.runtime.run_ahead}")
-    require(
-        not (cfg.runtime.eval_island and cfg.runtime.kind != "controller"),
-        "runtime.eval_island = true needs runtime.kind = 'controller' (the island is a process mesh "
-        "the single controller drives)",
-    )
-    require(
-        not (cfg.runtime.kind == "controller" and cfg.ps.servers),
-        f"ps.servers = {cfg.ps.servers} with runtime.kind = 'controller': the parameter server is a "
-        "runtime of its own; use runtime.kind = 'spmd'",
-    )
     _check_model(cfg.model)
     if cfg.log.tensorboard:
         try:
