@@ -141,6 +141,21 @@ def command_line() -> str:
     return shlex.join([exe, *sys.argv])
 
 
+def report_preamble(title: str, script: str, info: dict[str, str], runtime_s: float) -> list[str]:
+    """The first lines of a results page: its title, the script that wrote it, the command, the
+    machine and the run's duration."""
+    return [
+        f"# {title}",
+        "",
+        f"Written by `{script}`; every figure below comes from one run of it. See the",
+        "script's docstring for the method.",
+        "",
+        f"- Command: `{command_line()}`",
+        *(f"- {k}: {v}" for k, v in info.items()),
+        f"- Runtime: {runtime_s:.0f} s",
+    ]
+
+
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import command_line, machine_info, markdown_table, text_table
+from _common import machine_info, markdown_table, report_preamble, text_table
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "controller.md"
@@ -135,14 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.write_text(
         "\n".join(
             [
-                "# plait train: single controller (Monarch) vs SPMD, step time",
-                "",
-                "Written by `benchmarks/controller.py`; every figure below comes from one run of it. See the",
-                "script's docstring for the method.",
-                "",
-                f"- Command: `{command_line()}`",
-                *(f"- {k}: {v}" for k, v in info.items()),
-                f"- Runtime: {time.perf_counter() - t0:.0f} s",
+                *report_preamble(
+                    "plait train: single controller (Monarch) vs SPMD, step time",
+                    "benchmarks/controller.py",
+                    info,
+                    time.perf_counter() - t0,
+                ),
                 f"- configs/default.toml (small GPT, dp = 2, CPU), {args.steps} steps per run, a log line "
                 f"every {args.log_every}; {args.rounds} rounds, setups in rotating order; step = tokens per "
                 "step / tokens_per_s of each log interval after the first; medians over all intervals.",

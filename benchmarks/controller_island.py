@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import command_line, machine_info, markdown_table, text_table
+from _common import machine_info, markdown_table, report_preamble, text_table
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "controller_island.md"
@@ -131,14 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.write_text(
         "\n".join(
             [
-                "# Single controller: held-out evaluation on an island vs in-line",
-                "",
-                "Written by `benchmarks/controller_island.py`; every figure below comes from one run of it.",
-                "See the script's docstring for the method.",
-                "",
-                f"- Command: `{command_line()}`",
-                *(f"- {k}: {v}" for k, v in info.items()),
-                f"- Runtime: {time.perf_counter() - t0:.0f} s",
+                *report_preamble(
+                    "Single controller: held-out evaluation on an island vs in-line",
+                    "benchmarks/controller_island.py",
+                    info,
+                    time.perf_counter() - t0,
+                ),
                 f"- configs/default.toml (small GPT, CPU) under `--runtime.kind controller`, "
                 f"{args.steps} steps, {n_evals} periodic evaluations (every {args.eval_every} steps) "
                 f"before the final one; {args.rounds} rounds, setups in rotating order; loop = the first "

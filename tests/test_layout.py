@@ -259,3 +259,16 @@ def test_techniques_used_directly_raise_the_rows_message():
             assert kind == "ConfigError", (row, kind, message)
             assert rule.reason in message and rule.fix.split("{")[0] in message, (row, message)
             assert "\n" not in message and "{" not in message, (row, message)
+
+
+def test_the_architecture_pages_layers_are_the_import_contracts():
+    """docs/ARCHITECTURE.md's layer diagram is the `[tool.importlinter]` layers contract that
+    `make test` checks, row for row: the picture cannot drift from the code's structure."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c["layers"] for c in contracts if c["type"] == "layers")
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    block = text.split("```\ntesting", 1)[1].split("```", 1)[0]
+    drawn = ["testing"] + [line.split("  ", 1)[0].strip() for line in block.splitlines()[1:] if line.strip()]
+    assert drawn == [layer.replace("(", "").replace(")", "") for layer in layers], drawn

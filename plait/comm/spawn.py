@@ -38,17 +38,23 @@ class RankFailure(AssertionError):
         self.exitcodes = exitcodes
 
 
-def _child(fn: Callable, rank: int, world_size: int, port: int, workdir: str, args: tuple, env: dict) -> None:
-    os.environ.update(env)
+def rank_env(rank: int, world: int, port: int, **extra: str) -> None:
+    """This process's torch.distributed environment, as a launcher sets a rank's (one host,
+    loopback store): the group is then formed from it (`init_process_group`'s env://)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
-        WORLD_SIZE=str(world_size),
+        WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        TORCHELASTIC_ERROR_FILE=os.path.join(workdir, f"error-{rank}.json"),
+        LOCAL_WORLD_SIZE=str(world),
+        **extra,
     )
+
+
+def _child(fn: Callable, rank: int, world_size: int, port: int, workdir: str, args: tuple, env: dict) -> None:
+    os.environ.update(env)
+    rank_env(rank, world_size, port, TORCHELASTIC_ERROR_FILE=os.path.join(workdir, f"error-{rank}.json"))
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))

@@ -14,12 +14,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import os
 
 import torch
 import torch.distributed as dist
 from monarch.actor import Actor, current_rank, endpoint
 
+from plait.comm.spawn import rank_env
 from plait.train import loop, report
 from plait.train.config import config_from_dict
 from plait.train.nonfinite import guard_nonfinite
@@ -78,16 +78,8 @@ class RankActor(Actor):
         0's start-up lines."""
         cfg = config_from_dict(cfg_dict)
         world = cfg.world_size
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(self.rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(self.rank),
-            LOCAL_WORLD_SIZE=str(world),
-            # what an SPMD rank of a restarted job sees (step hooks read it: plait.testing)
-            TORCHELASTIC_RESTART_COUNT=str(restart),
-        )
+        # TORCHELASTIC_RESTART_COUNT: what an SPMD rank of a restarted job sees (step hooks read it)
+        rank_env(self.rank, world, port, TORCHELASTIC_RESTART_COUNT=str(restart))
         torch.set_num_threads(threads)  # as an SPMD rank's OMP_NUM_THREADS: the same kernels
         mesh = loop.make_mesh(cfg)
         out: dict = {}

@@ -13,13 +13,13 @@ weights it evaluated (`"eval": "island"`), whenever it is back.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from monarch.actor import Actor, endpoint
 
+from plait.comm.spawn import rank_env
 from plait.data import eval_batches, load_corpus
 from plait.models.source import build_model
 from plait.train import loop
@@ -45,14 +45,7 @@ class EvalActor(Actor):
         """Its own one-process group (gloo or NCCL, as a rank's), the model and the held-out
         batches (`tokenizer`: the run's, as the training ranks load it)."""
         cfg = one_process(config_from_dict(cfg_dict))
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-        )
+        rank_env(0, 1, port)
         torch.set_num_threads(threads)
         self.mesh = loop.make_mesh(cfg)
         d, t = cfg.data, cfg.train

@@ -26,7 +26,6 @@ they are imported by name in the actors, which must be able to import it.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,6 +38,7 @@ from monarch.config import configure
 from plait.api import _settings
 from plait.api import parallelize as parallelize_model
 from plait.comm.ports import free_port
+from plait.comm.spawn import rank_env
 from plait.controller.actor import _fails_once
 from plait.controller.driver import RankFailed, _gather, _quiet
 from plait.data.batch import split_batch
@@ -79,14 +79,7 @@ class ProgramActor(Actor):
     ) -> dict:
         """Join the mesh's process group, build the model with `factory()` (the torch seed set to
         `seed` first, so that every rank builds the same one) and parallelize it."""
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(self.rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(self.rank),
-            LOCAL_WORLD_SIZE=str(world),
-        )
+        rank_env(self.rank, world, port)
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         model = factory()
