@@ -52,6 +52,21 @@ def mesh(layout=None):
     return DriverMesh(layout or {})
 
 
+def islands(stages, dp, optimizer, loss_fn, schedule="1f1b", microbatches=4, seed=0):
+    """A pipeline whose stages run on process meshes of their own ("islands", MPMD), each with its
+    own data-parallel degree, driven from this program (plait.controller.mpmd):
+
+        with plait.controller.islands([stage0, stage1], dp=[2, 1], optimizer=opt, loss_fn=loss_fn) as p:
+            loss = p.step((x, y))
+
+    `stages`: one factory per stage returning its module (called after torch.manual_seed(seed));
+    `loss_fn(output, targets)`: the mean loss over the rows; schedule: gpipe or 1f1b."""
+    require_monarch()
+    from plait.controller.mpmd import IslandPipeline
+
+    return IslandPipeline(stages, dp, optimizer, loss_fn, schedule, microbatches, seed)
+
+
 def launch_controller(cfg, resume: bool = False, checkpoint=None) -> int:
     """`plait train` with runtime.kind = controller; returns the exit code (plait.controller.driver)."""
     require_monarch()

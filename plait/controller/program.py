@@ -64,6 +64,21 @@ def mesh_shape(layout: Mapping) -> dict[str, int]:
     return {"pp": s["pp"], "dp": s["dp"] or 1, "ep": s["ep"], "tp": s["tp"]}
 
 
+_HOOKS: list = []  # Monarch's fault hooks replaced by the meshes open in this program
+
+
+def _opened() -> None:
+    """A driver mesh opens: short stop grace periods (a failed mesh is stopped at once, not after
+    Monarch's 10 s defaults), and failures reported by the futures, not Monarch's fault hook."""
+    configure(stop_actor_timeout="2s", mesh_terminate_timeout="2s", process_exit_timeout="2s")
+    _HOOKS.append(monarch.actor.unhandled_fault_hook)
+    monarch.actor.unhandled_fault_hook = _quiet
+
+
+def _closed() -> None:
+    monarch.actor.unhandled_fault_hook = _HOOKS.pop()
+
+
 class ProgramActor(Actor):
     """One rank of a driver mesh: a `plait.parallelize` engine on this process."""
 
@@ -164,8 +179,7 @@ class DriverMesh:
     # --- open and close ---------------------------------------------------------------------------
 
     def open(self) -> DriverMesh:
-        configure(stop_actor_timeout="2s", mesh_terminate_timeout="2s", process_exit_timeout="2s")
-        self._hook, monarch.actor.unhandled_fault_hook = monarch.actor.unhandled_fault_hook, _quiet
+        _opened()
         self.procs = this_host().spawn_procs(per_host=self.shape)
         actors = self.procs.spawn("plait_program", ProgramActor)
         self.ranks = [actors.slice(**c) for c in self.coords]
@@ -183,7 +197,7 @@ class DriverMesh:
         finally:
             self.procs.stop().get()
             self.procs = None
-            monarch.actor.unhandled_fault_hook = self._hook
+            _closed()
 
     def __enter__(self) -> DriverMesh:
         return self.open()

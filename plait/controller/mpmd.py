@@ -1,0 +1,294 @@
+"""MPMD on islands: a pipeline whose stages live on different process meshes, driven from one program.
+
+    stages = [make_stage0, make_stage1]                                 # the user's stage modules
+    with plait.controller.islands(stages, dp=[2, 1], optimizer=opt, loss_fn=loss_fn,
+                                  schedule="1f1b", microbatches=4) as p:
+        loss = p.step((x, y))                                            # one optimizer step
+
+Pathways' other half: each stage is an *island* (a Monarch process mesh of its own) running its
+own program (its own stage module, its own data-parallel degree), and the controller moves
+activations and their gradients between islands. The order of work is plait's schedules as data
+(`plait.pipeline.schedules.make_schedule`: GPipe and 1F1B); the controller walks each stage's
+compute actions, dispatching an action to its island as soon as its input is back (a forward
+needs the previous island's output of that micro-batch, a backward the next island's input
+gradient), so that islands work at the same time as the schedule allows. Inside an island the
+ranks are data parallel through plait's `DataParallel` (the gradient synchroniser of every
+layout), over the island's own gloo (NCCL on GPUs) group; they synchronise once per step, on
+their last micro-batch's backward.
+
+Scaling. The objective is the mean loss over the global batch. The last island's rank backprops
+its micro-batch's mean loss / m; `DataParallel` averages over the island's dp, so its weights get
+the gradient of the mean, and the input gradient it returns is dp_last x that of the mean. The
+controller multiplies the gradient it relays from island s+1 to island s by dp_s / dp_(s+1), so
+every island's averaged gradient is the mean's: islands of different widths train exactly like
+one process (tests/test_controller_islands.py).
+
+Transfers go through the controller as endpoint arguments and results (TCP); Monarch's
+RDMABuffer is not used.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from monarch.actor import Actor, current_rank, endpoint, this_host
+
+from plait.comm.ports import free_port
+from plait.comm.spawn import rank_env
+from plait.controller.actor import _fails_once
+from plait.controller.driver import RankFailed, _gather
+from plait.controller.program import RankFailedError, _closed, _opened
+from plait.data.batch import split_batch
+from plait.data_parallel import DataParallel
+from plait.errors import ConfigError
+from plait.mesh import Mesh, init_distributed
+from plait.pipeline.schedules import make_schedule
+
+SCHEDULES = ("gpipe", "1f1b")  # one stage per island and an unsplit backward
+
+
+class StageActor(Actor):
+    """One rank of one island: its stage module, data parallel over the island."""
+
+    def __init__(self) -> None:
+        self.rank = current_rank().rank
+        self.failed = ""
+        self.model = None
+
+    @endpoint
+    @_fails_once
+    def build(self, world: int, port: int, factory, optimizer, loss_fn, seed: int, last: bool) -> None:
+        rank_env(self.rank, world, port)
+        torch.set_num_threads(1)
+        init_distributed("cpu" if not torch.cuda.is_available() else None)
+        self.mesh = Mesh(dp=world)
+        torch.manual_seed(seed)
+        module = factory().to(self.mesh.device)
+        self.module = module
+        self.model = DataParallel(module, self.mesh) if world > 1 else module
+        self.optimizer = optimizer(list(module.parameters()))
+        self.loss_fn, self.last = loss_fn, last
+        self.saved: dict[int, tuple] = {}
+
+    @endpoint
+    @_fails_once
+    def forward(self, mb: int, x: torch.Tensor, y: torch.Tensor | None, m: int):
+        """Micro-batch `mb`'s forward on this rank's rows: the output (a middle island) or the
+        mean loss of the rows (the last island), kept for the backward."""
+        x = x.to(self.mesh.device).requires_grad_(x.is_floating_point())
+        out = self.model(x)
+        if self.last:
+            loss = self.loss_fn(out, y.to(self.mesh.device))
+            self.saved[mb] = (x, loss / m, None)
+            return float(loss.detach())
+        self.saved[mb] = (x, out, None)
+        return out.detach().cpu()
+
+    @endpoint
+    @_fails_once
+    def backward(self, mb: int, grad: torch.Tensor | None, sync: bool):
+        """Micro-batch `mb`'s backward (`grad`: the output's gradient; None on the last island);
+        `sync`: the island's last backward of the step, which synchronises the gradients over dp.
+        Returns the input's gradient (None for the first island's token or feature input)."""
+        x, out, _ = self.saved.pop(mb)
+        sync_ctx = self.model.no_sync() if (not sync and isinstance(self.model, DataParallel)) else None
+        if sync_ctx is not None:
+            with sync_ctx:
+                self._backward(out, grad)
+        else:
+            self._backward(out, grad)
+        return None if x.grad is None else x.grad.detach().cpu()
+
+    def _backward(self, out: torch.Tensor, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            out.backward()
+        else:
+            out.backward(grad.to(out.device))
+
+    @endpoint
+    @_fails_once
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @endpoint
+    @_fails_once
+    def parameters(self) -> dict[str, torch.Tensor] | None:
+        """The stage's parameters (replicated over the island's dp): rank 0's, on the CPU."""
+        if self.rank != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in self.module.named_parameters()}
+
+    @endpoint
+    def close(self) -> None:
+        if isinstance(self.model, DataParallel):
+            self.model.remove_hooks()
+        if getattr(self, "mesh", None) is not None:
+            self.mesh.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class IslandPipeline:
+    """A pipeline over islands, driven from this program: `plait.controller.islands(...)`."""
+
+    def __init__(
+        self,
+        stages: Sequence[Callable],
+        dp: Sequence[int],
+        optimizer: Callable,
+        loss_fn: Callable,
+        schedule: str = "1f1b",
+        microbatches: int = 4,
+        seed: int = 0,
+    ):
+        if len(stages) < 2:
+            raise ConfigError(f"islands: a pipeline needs at least 2 stages, got {len(stages)}")
+        if len(dp) != len(stages) or any(not isinstance(d, int) or d < 1 for d in dp):
+            raise ConfigError(f"islands: dp = {list(dp)} must give one degree >= 1 per stage ({len(stages)})")
+        if schedule not in SCHEDULES:
+            raise ConfigError(
+                f"islands: schedule = {schedule!r} is not available; valid: {', '.join(SCHEDULES)}"
+            )
+        self.stages, self.dp, self.optimizer, self.loss_fn = list(stages), list(dp), optimizer, loss_fn
+        self.seed, self.m = seed, microbatches
+        self.schedule = make_schedule(schedule, len(stages), microbatches)
+        self.islands: list = []  # per island: (its ProcMesh, its actors by rank)
+        self.steps = 0
+
+    def __enter__(self) -> IslandPipeline:
+        _opened()
+        try:
+            for s, n in enumerate(self.dp):
+                procs = this_host().spawn_procs(per_host={"dp": n})
+                actors = procs.spawn(f"plait_stage{s}", StageActor)
+                self.islands.append((procs, [actors.slice(dp=r) for r in range(n)]))
+            builds = []
+            for s, (factory, n) in enumerate(zip(self.stages, self.dp)):
+                port, last = free_port(), s == len(self.stages) - 1
+                args = (n, port, factory, self.optimizer, self.loss_fn, self.seed, last)
+                builds.append([r.build.call_one(*args) for r in self.islands[s][1]])
+            for s, futures in enumerate(builds):
+                self._collect(s, futures, "build")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop every island's processes (idempotent)."""
+        for procs, actors in self.islands:
+            try:
+                _gather([a.close.call_one() for a in actors])
+            except RankFailed:
+                pass
+            procs.stop().get()
+        if self.islands:
+            _closed()
+        self.islands = []
+
+    # --- one step --------------------------------------------------------------------------------
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """One optimizer step on the global batch `(inputs, targets)`: the schedule's forwards and
+        backwards over `microbatches` micro-batches, each island's update. Returns the mean loss."""
+        x, y = batch
+        rows = x.shape[0]
+        if rows % self.m or any((rows // self.m) % d for d in self.dp):
+            raise ConfigError(
+                f"islands: a batch of {rows} rows does not split into {self.m} micro-batches of a "
+                f"multiple of every island's dp ({self.dp})"
+            )
+        xs, ys = x.chunk(self.m), y.chunk(self.m)
+        n = len(self.stages)
+        queues = [list(self.schedule.compute(s)) for s in range(n)]
+        outs: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb): the stage's whole output
+        grads: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb): its input's whole gradient
+        losses: list[float] = []
+        running: dict[int, tuple] = {}  # stage: (action, futures)
+        while any(queues) or running:
+            for s in range(n):
+                if s not in running and queues[s] and self._ready(queues[s][0], outs, grads):
+                    a = queues[s].pop(0)
+                    running[s] = (a, self._dispatch(s, a, xs, ys, outs, grads, last_bw=not queues[s]))
+            done = self._wait_any(running)
+            for s in done:
+                a, futures = running.pop(s)
+                results = self._collect(s, futures, f"{'forward' if a.kind == 'F' else 'backward'} {a.mb}")
+                if a.kind == "F" and s == n - 1:
+                    losses += results
+                elif a.kind == "F":
+                    outs[(s, a.mb)] = torch.cat(results)
+                elif s > 0:
+                    grads[(s, a.mb)] = torch.cat(results)
+        for s in range(n):
+            self._collect(s, [r.step.call_one() for r in self.islands[s][1]], "step")
+        self.steps += 1
+        return sum(losses) / len(losses)  # equal rows: the mean of the micro-batch means
+
+    def _ready(self, a, outs, grads) -> bool:
+        if a.kind == "F":
+            return a.stage == 0 or (a.stage - 1, a.mb) in outs
+        return a.stage == len(self.stages) - 1 or (a.stage + 1, a.mb) in grads
+
+    def _dispatch(self, s: int, a, xs, ys, outs, grads, last_bw: bool) -> list:
+        ranks, n = self.islands[s][1], self.dp[s]
+        if a.kind == "F":
+            inp = xs[a.mb] if s == 0 else outs.pop((s - 1, a.mb))
+            last = s == len(self.stages) - 1
+            return [
+                r.forward.call_one(
+                    a.mb, split_batch(inp, n, i), split_batch(ys[a.mb], n, i) if last else None, self.m
+                )
+                for i, r in enumerate(ranks)
+            ]
+        if s == len(self.stages) - 1:
+            return [r.backward.call_one(a.mb, None, last_bw) for r in ranks]
+        # island s+1 returns dp_(s+1) x the mean's input gradient; island s averages over dp_s
+        g = grads.pop((s + 1, a.mb)) * (n / self.dp[s + 1])
+        return [r.backward.call_one(a.mb, split_batch(g, n, i), last_bw) for i, r in enumerate(ranks)]
+
+    @staticmethod
+    def _wait_any(running: dict) -> list[int]:
+        """The stages whose action has finished on every rank (at least one, unless none runs)."""
+        while running:
+            done = []
+            for s, (_, futures) in running.items():
+                try:
+                    for f in futures:
+                        f.get(timeout=0.0005)
+                    done.append(s)
+                except TimeoutError:
+                    pass
+                except Exception:  # a failure: reported by _collect
+                    done.append(s)
+            if done:
+                return done
+            time.sleep(0.0005)
+        return []
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every stage's parameters, as `stage{s}.{name}`, on the CPU here."""
+        out = {}
+        for s, (_, ranks) in enumerate(self.islands):
+            params = self._collect(s, [r.parameters.call_one() for r in ranks], "parameters")[0]
+            out.update({f"stage{s}.{k}": v for k, v in params.items()})
+        return out
+
+    def _collect(self, s: int, futures: list, call: str) -> list:
+        try:
+            return _gather(futures)
+        except RankFailed as exc:
+            coords = {"island": s, "dp": exc.rank}
+            raise RankFailedError(
+                f"island {s} (stage {s}), dp rank {exc.rank} failed in {call}: {exc.error}",
+                exc.rank,
+                coords,
+                call,
+            ) from None
