@@ -4,8 +4,8 @@ What is measured: examples/islands.py's two-stage MLP (16 -> W -> W -> 4, stage 
 layer, stage 1 the rest) at width `--width`, `--steps` steps of `--rows` rows in 4 micro-batches,
 under each layout below; the same training in plain PyTorch on one process runs in the same
 call (one thread, as each island's rank) and gives the baseline. Reported per layout: the
-median step time, its ratio to one process's, and the largest relative difference of the losses and final parameters from one
-process (the parity the tests check at 1e-5).
+median step time, its ratio to one process's, and the largest relative difference of the
+losses and final parameters from one process (the parity the tests check at 1e-5).
 
 On 2 shared CPU cores the islands' processes (up to 3 here) and the controller compete for the
 cores, and each micro-batch's activations travel through the controller (TCP): the figures show
