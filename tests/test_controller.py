@@ -42,6 +42,12 @@ LAYOUTS = {
     "dp2-zero3": ("--parallel.zero_stage", "3"),
     "tp2-sp": (*TP, "--parallel.tp", "2", "--parallel.dp", "1", "--parallel.sequence_parallel", "true"),
     "pp2-1f1b": (*PP, "--parallel.schedule", "1f1b"),
+    # every other schedule (zb-v's SPMD run is test_pipeline_train's)
+    "pp2-gpipe": (*PP, "--parallel.schedule", "gpipe"),
+    "pp2-interleaved": (*PP, "--parallel.schedule", "interleaved", "--parallel.microbatches", "4"),
+    "pp2-zb-h1": (*PP, "--parallel.schedule", "zb-h1"),
+    "pp2-zb-h2": (*PP, "--parallel.schedule", "zb-h2", "--parallel.microbatches", "4"),
+    "pp2-zb-v": (*PP, "--parallel.schedule", "zb-v", "--parallel.microbatches", "4"),
     "dp1-ep2": (*MOE, "--parallel.dp", "1", "--parallel.ep", "2"),
 }
 
