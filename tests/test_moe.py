@@ -477,3 +477,18 @@ def test_expert_parallel_ep2_matches_one_process():
 
 def test_expert_parallel_ep4_and_dp2_ep2_match_one_process():
     _assert_some_dropped(run_ranks(_ep_cases, 4, args=([dict(ep=4), dict(dp=2, ep=2)],), timeout=240))
+
+
+def test_the_routers_bounds_are_exact():
+    """The smallest valid inputs pass and the next ones down are refused (mutation testing found
+    these bounds untested): top-2 over exactly 2 experts (one token or four), capacity 1."""
+    from plait.moe.router import assign
+
+    for tokens in (1, 4):
+        choices = choose(torch.randn(1, tokens, 2), top_k=2)  # 2 experts: the least top-2 takes
+        routing = assign(choices, capacity=1)  # one slot per expert: the least capacity
+        assert routing.expert.shape == (1, tokens, 2)
+    with pytest.raises(ConfigError, match="top_k=2 needs at least 2 experts"):
+        choose(torch.randn(1, 4, 1), top_k=2)
+    with pytest.raises(ConfigError, match="expert capacity must be >= 1, got 0"):
+        assign(choose(torch.randn(1, 4, 2), top_k=2), capacity=0)
