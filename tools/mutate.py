@@ -35,6 +35,9 @@ TESTS = {
     "plait/train/nonfinite.py": ["tests/test_nonfinite_guard.py"],
     "plait/planner/cost_terms.py": ["tests/test_planner_terms.py", *_CALIBRATED],
     "plait/planner/cost.py": ["tests/test_planner_terms.py", *_CALIBRATED],
+    "plait/moe/router.py": ["tests/test_moe.py", "tests/test_moe_reference.py"],
+    "plait/pipeline/runtime.py": ["tests/test_pipeline_parity.py"],
+    "plait/zero/shard.py": ["tests/test_zero.py"],
     "plait/planner/stages.py": [
         "tests/test_planner_terms.py",
         "tests/test_planner.py::test_inter_op_dp_equals_brute_force_on_random_cases",
