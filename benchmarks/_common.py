@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -154,6 +155,13 @@ def report_preamble(title: str, script: str, info: dict[str, str], runtime_s: fl
         *(f"- {k}: {v}" for k, v in info.items()),
         f"- Runtime: {runtime_s:.0f} s",
     ]
+
+
+def write_report(path: Path, title: str, info: dict[str, str], runtime_s: float, lines: list[str]) -> None:
+    """A results page: the preamble (the script is the one running), then `lines`; says where."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), path.parents[2])
+    path.write_text("\n".join([*report_preamble(title, script, info, runtime_s), *lines, ""]))
+    print(f"wrote {path.relative_to(path.parents[2])}")
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

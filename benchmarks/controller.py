@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import machine_info, markdown_table, report_preamble, text_table
+from _common import machine_info, markdown_table, text_table, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "controller.md"
@@ -132,26 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     print(text_table(HEADERS, table))
     if args.quick:
         return 0
-    RESULTS.write_text(
-        "\n".join(
-            [
-                *report_preamble(
-                    "plait train: single controller (Monarch) vs SPMD, step time",
-                    "benchmarks/controller.py",
-                    info,
-                    time.perf_counter() - t0,
-                ),
-                f"- configs/default.toml (small GPT, dp = 2, CPU), {args.steps} steps per run, a log line "
-                f"every {args.log_every}; {args.rounds} rounds, setups in rotating order; step = tokens per "
-                "step / tokens_per_s of each log interval after the first; medians over all intervals.",
-                "- Goal of issue 32: controller / spmd <= 1.03.",
-                "",
-                markdown_table(HEADERS, table),
-                "",
-            ]
-        )
+    write_report(
+        RESULTS,
+        "plait train: single controller (Monarch) vs SPMD, step time",
+        info,
+        time.perf_counter() - t0,
+        [
+            f"- configs/default.toml (small GPT, dp = 2, CPU), {args.steps} steps per run, a log line "
+            f"every {args.log_every}; {args.rounds} rounds, setups in rotating order; step = tokens per "
+            "step / tokens_per_s of each log interval after the first; medians over all intervals.",
+            "- Goal of issue 32: controller / spmd <= 1.03.",
+            "",
+            markdown_table(HEADERS, table),
+        ],
     )
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
     return 0
 
 

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import machine_info, markdown_table, report_preamble, text_table
+from _common import machine_info, markdown_table, text_table, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "controller_island.md"
@@ -128,29 +128,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         return 0
     n_evals = (args.steps - 1) // args.eval_every
-    RESULTS.write_text(
-        "\n".join(
-            [
-                *report_preamble(
-                    "Single controller: held-out evaluation on an island vs in-line",
-                    "benchmarks/controller_island.py",
-                    info,
-                    time.perf_counter() - t0,
-                ),
-                f"- configs/default.toml (small GPT, CPU) under `--runtime.kind controller`, "
-                f"{args.steps} steps, {n_evals} periodic evaluations (every {args.eval_every} steps) "
-                f"before the final one; {args.rounds} rounds, setups in rotating order; loop = the first "
-                "step's log line to the last's; medians.",
-                *(
-                    line
-                    for dp, what in DPS.items()
-                    for line in ("", f"## dp {dp}: {what}", "", markdown_table(HEADERS, tables[dp]))
-                ),
-                "",
-            ]
-        )
+    write_report(
+        RESULTS,
+        "Single controller: held-out evaluation on an island vs in-line",
+        info,
+        time.perf_counter() - t0,
+        [
+            f"- configs/default.toml (small GPT, CPU) under `--runtime.kind controller`, "
+            f"{args.steps} steps, {n_evals} periodic evaluations (every {args.eval_every} steps) "
+            f"before the final one; {args.rounds} rounds, setups in rotating order; loop = the first "
+            "step's log line to the last's; medians.",
+            *(
+                line
+                for dp, what in DPS.items()
+                for line in ("", f"## dp {dp}: {what}", "", markdown_table(HEADERS, tables[dp]))
+            ),
+        ],
     )
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
     return 0
 
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import machine_info, markdown_table, report_preamble, text_table
+from _common import machine_info, markdown_table, text_table, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "controller_islands.md"
@@ -70,26 +70,20 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
         print(text_table(HEADERS, table[-1:]), flush=True)
-    RESULTS.write_text(
-        "\n".join(
-            [
-                *report_preamble(
-                    "Single controller: a pipeline over islands (MPMD) vs one process",
-                    "benchmarks/controller_islands.py",
-                    info,
-                    time.perf_counter() - t0,
-                ),
-                f"- examples/islands.py's MLP, width {args.width}, {args.rows} rows per step in 4 "
-                f"micro-batches, {args.steps} steps (the first left out of the median); the one-process "
-                "time is plain PyTorch on the same batches, measured in the same call; losses and params: "
-                "the largest relative difference from one process.",
-                "",
-                markdown_table(HEADERS, table),
-                "",
-            ]
-        )
+    write_report(
+        RESULTS,
+        "Single controller: a pipeline over islands (MPMD) vs one process",
+        info,
+        time.perf_counter() - t0,
+        [
+            f"- examples/islands.py's MLP, width {args.width}, {args.rows} rows per step in 4 "
+            f"micro-batches, {args.steps} steps (the first left out of the median); the one-process "
+            "time is plain PyTorch on the same batches, measured in the same call; losses and params: "
+            "the largest relative difference from one process.",
+            "",
+            markdown_table(HEADERS, table),
+        ],
     )
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
     return 0
 
 
