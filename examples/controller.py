@@ -80,35 +80,43 @@ def reference(steps: int, rows: int, seed: int = 0):
     return losses, {k: v.detach() for k, v in model.named_parameters()}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layout", default='{"dp": 2, "zero_stage": 3}', help="plait.parallelize's keys, JSON")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rows", type=int, default=64, help="rows of each global batch")
-    ap.add_argument("--json", action="store_true", help="print the figures as one JSON line at the end")
-    args = ap.parse_args(argv)
-    layout = json.loads(args.layout)
+def train(layout: dict, steps: int, rows: int) -> dict:
+    """Train on a mesh of `layout` from this program, then check against plain PyTorch."""
     options = {"tp_plan": TP_PLAN} if layout.get("tp", 1) > 1 else {}
-
     with plait.controller.mesh(layout) as m:
         t0 = time.perf_counter()
         m.parallelize(make_model, optimizer, loss_fn=loss_fn, **options)
         print(f"mesh {m.shape}: {m.world} process(es) built in {time.perf_counter() - t0:.1f} s", flush=True)
         t0 = time.perf_counter()
-        futures = [m.step(batch) for batch in batches(args.steps, args.rows)]  # all in flight
+        futures = [m.step(batch) for batch in batches(steps, rows)]  # all in flight
         sent = time.perf_counter() - t0
         losses = [f.get() for f in futures]
         took = time.perf_counter() - t0
-        print(f"{args.steps} steps dispatched in {sent * 1e3:.1f} ms, done in {took:.2f} s", flush=True)
+        print(f"{steps} steps dispatched in {sent * 1e3:.1f} ms, done in {took:.2f} s", flush=True)
         params = m.state_dict()
 
-    want_losses, want_params = reference(args.steps, args.rows)
+    want_losses, want_params = reference(steps, rows)
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
     param_err = max(((params[k] - v).norm() / v.norm()).item() for k, v in want_params.items())
-    for i in (0, args.steps // 2, args.steps - 1):
+    for i in (0, steps // 2, steps - 1):
         print(f"step {i + 1:3d}  loss {losses[i]:.6f}  (one process, plain PyTorch: {want_losses[i]:.6f})")
     print(f"largest relative difference from plain PyTorch: losses {loss_err:.1e}, params {param_err:.1e}")
-    out = {"losses": losses, "reference": want_losses, "loss_err": loss_err, "param_err": param_err}
+    return {"layout": layout, "losses": losses, "loss_err": loss_err, "param_err": param_err}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--layout",
+        action="append",
+        help='plait.parallelize\'s keys, JSON (repeat for more; default {"dp": 2, "zero_stage": 3})',
+    )
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rows", type=int, default=64, help="rows of each global batch")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON line at the end")
+    args = ap.parse_args(argv)
+    layouts = args.layout or ['{"dp": 2, "zero_stage": 3}']
+    out = [train(json.loads(layout), args.steps, args.rows) for layout in layouts]
     if args.json:
         print(json.dumps(out))
     return out

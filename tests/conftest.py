@@ -329,3 +329,27 @@ def gpt_reference(
         return model, make_optimizer(param_groups(model, weight_decay)), lambda m, batch: m(*batch)
 
     return single_process_reference(setup, batches, len(batches), clip=clip)
+
+
+def live_with(tag: str) -> dict[int, str]:
+    """The live processes whose environment holds `tag` (a run's own processes inherit it): their
+    command lines, by pid. An empty dict: nothing of that run is left."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if tag.encode() in (entry / "environ").read_bytes():
+                    found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                pass
+    return found
+
+
+def run_python(script: str, *args: str, tag: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` from the repository root, with the repository and examples/ on
+    PYTHONPATH (a driver program's ranks import the example's functions by name) and `tag` in its
+    environment (`live_with(tag)` then finds what it left)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}:{root / 'examples'}", "PLAIT_TEST_TAG": tag}
+    cmd = [sys.executable, script, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=root)

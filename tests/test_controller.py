@@ -22,6 +22,7 @@ from conftest import (
     assert_runs_match,
     fault_env,
     island_evals,
+    live_with,
     metrics,
     resume_job,
     side_by_side,
@@ -50,20 +51,6 @@ LAYOUTS = {
     "pp2-zb-v": (*PP, "--parallel.schedule", "zb-v", "--parallel.microbatches", "4"),
     "dp1-ep2": (*MOE, "--parallel.dp", "1", "--parallel.ep", "2"),
 }
-
-
-def _live_with(tag: str) -> dict[int, str]:
-    """The processes whose environment holds `tag` (a run's own processes inherit it): their
-    command lines, by pid."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if tag.encode() in (entry / "environ").read_bytes():
-                    found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                pass
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -165,9 +152,9 @@ def test_a_stopped_controller_saves_the_step_reached_and_leaves_no_process(signa
     assert f"stopped by {signal.Signals(signum).name} after step {reached}; checkpoint saved" in r.stdout
     assert "Traceback" not in r.stderr
     deadline = time.monotonic() + 10  # a process that is exiting has a moment to finish
-    while _live_with(tag) and time.monotonic() < deadline:
+    while live_with(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _live_with(tag) == {}
+    assert live_with(tag) == {}
 
 
 def _stop_job(run: Path, signum: int | None, fault: dict | None = None):
@@ -184,9 +171,9 @@ def test_a_failing_rank_takes_the_job_down_at_once_with_its_traceback(signals):
     # rank 0, waiting for rank 1 in step 3's all-reduce, is not waited for (comm.timeout_s = 60)
     assert "watchdog" not in r.stderr and max(metrics(run)) == 2
     deadline = time.monotonic() + 10
-    while _live_with(tag) and time.monotonic() < deadline:
+    while live_with(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _live_with(tag) == {}
+    assert live_with(tag) == {}
 
 
 def test_a_killed_rank_is_named_as_the_cause_and_no_process_is_left(signals):
@@ -197,9 +184,9 @@ def test_a_killed_rank_is_named_as_the_cause_and_no_process_is_left(signals):
     # (step 2's reply from rank 1 may be lost with its process: its record then is not written)
     assert "watchdog" not in r.stderr and max(metrics(run)) <= 2
     deadline = time.monotonic() + 10
-    while _live_with(tag) and time.monotonic() < deadline:
+    while live_with(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _live_with(tag) == {}
+    assert live_with(tag) == {}
 
 
 @pytest.fixture(scope="module")

@@ -9,51 +9,39 @@ bad layout is refused before any process starts.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
+from conftest import live_with, run_python
 
 from plait.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 
 
-def _python(code_or_file: str, *args: str, tag: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'examples'}", "PLAIT_TEST_TAG": tag}
-    cmd = [sys.executable, code_or_file, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+LAYOUTS = {"dp2-zero3": '{"dp": 2, "zero_stage": 3}', "tp2": '{"tp": 2}'}
 
 
-def _left(tag: str) -> list[str]:
-    """The command lines of live processes whose environment holds `tag` (a run's processes
-    inherit it)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if tag.encode() in (entry / "environ").read_bytes():
-                    found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-            except OSError:
-                pass
-    return found
-
-
-@pytest.mark.parametrize("layout", ['{"dp": 2, "zero_stage": 3}', '{"tp": 2}'], ids=["dp2-zero3", "tp2"])
-def test_a_driver_program_trains_like_plain_pytorch_on_one_process(layout):
+@pytest.fixture(scope="module")
+def trained():
+    """The example, run once over both layouts (one program, two meshes one after the other)."""
     tag = uuid.uuid4().hex
-    r = _python("examples/controller.py", "--layout", layout, "--steps", "12", "--json", tag=tag)
+    args = [a for layout in LAYOUTS.values() for a in ("--layout", layout)]
+    r = run_python("examples/controller.py", *args, "--steps", "12", "--json", tag=tag)
+    return r, tag
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_driver_program_trains_like_plain_pytorch_on_one_process(trained, layout):
+    r, tag = trained
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(out["losses"]) == 12 and out["losses"][-1] < out["losses"][0]
-    assert out["loss_err"] < TOL, out
-    assert out["param_err"] < TOL, out
+    out = {json.dumps(o["layout"]): o for o in json.loads(r.stdout.strip().splitlines()[-1])}
+    got = out[json.dumps(json.loads(LAYOUTS[layout]))]
+    assert len(got["losses"]) == 12 and got["losses"][-1] < got["losses"][0]
+    assert got["loss_err"] < TOL, got
+    assert got["param_err"] < TOL, got
     assert "dispatched in" in r.stdout
-    assert not _left(tag)
+    assert not live_with(tag)
 
 
 FAILING = """
@@ -85,16 +73,16 @@ with plait.controller.mesh({"dp": 2}) as m:
     ],
     ids=["raises", "process-dies"],
 )
-def test_a_failing_rank_is_named_with_its_place_and_no_process_is_left(tmp_path, fault, said):
+def test_a_failing_rank_is_named_with_its_place_and_no_process_islive_with(tmp_path, fault, said):
     script = tmp_path / "failing.py"
     script.write_text(FAILING.replace("FAULT", fault))
     tag = uuid.uuid4().hex
-    r = _python(str(script), tag=tag)
+    r = run_python(str(script), tag=tag)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "caught 1 {'pp': 0, 'dp': 1, 'ep': 0, 'tp': 0} boom" in r.stdout, r.stdout
     assert "rank 1 (pp 0, dp 1, ep 0, tp 0) failed in boom" in r.stdout
     assert said in r.stdout, r.stdout
-    assert not _left(tag)
+    assert not live_with(tag)
 
 
 @pytest.mark.parametrize(

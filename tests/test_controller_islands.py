@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_controller_driver import _left, _python
+from conftest import live_with, run_python
 
 from plait.errors import ConfigError
 
@@ -44,7 +44,7 @@ def result(tmp_path_factory):
     script = tmp_path_factory.mktemp("islands") / "islands_run.py"
     script.write_text(SCRIPT)
     tag = "islands-" + script.parent.name
-    r = _python(str(script), tag=tag, timeout=400)
+    r = run_python(str(script), tag=tag, timeout=400)
     return r, tag
 
 
@@ -60,14 +60,14 @@ def test_islands_of_different_widths_train_like_one_process(result):
     assert [(run["schedule"], run["dp"]) for run in runs[:2]] == [("1f1b", [2, 1]), ("gpipe", [1, 2])]
 
 
-def test_a_failing_island_is_named_and_no_process_is_left(result):
+def test_a_failing_island_is_named_and_no_process_islive_with(result):
     r, tag = result
     assert r.returncode == 0, r.stderr[-3000:]
     failed = json.loads(r.stdout.strip().splitlines()[-1])[-1]
     assert failed["coords"]["island"] == 1 and failed["call"] == "forward 0", failed
     assert failed["failed"].startswith("island 1 (stage 1), dp rank "), failed
     assert "planted in the loss" in failed["failed"]  # the rank's own traceback comes with it
-    assert not _left(tag)
+    assert not live_with(tag)
 
 
 @pytest.mark.parametrize(
