@@ -1,5 +1,5 @@
 """Stage splitting (GPT and nn.Sequential, uniform and balanced) and the B/W split of the
-backward, in one process."""
+backward, in one process; the header that tells a stage what its input is, over 2 ranks."""
 
 import pytest
 import torch
@@ -119,3 +119,42 @@ def test_held_stages_refuse_children_of_the_same_name():
         HeldStages([Stage(), Stage()])
     merged = HeldStages(split_sequential(torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(4)]), 2))
     assert len(list(merged.parameters())) == 8  # layer dicts merge: every parameter kept
+
+
+def _exchange_headers():
+    """Rank 0 sends stage outputs of every dtype the runtime knows (and 1 to 6 dims) through the
+    runtime's header + tensor exchange; rank 1 returns what it received. A 7-dim output is refused."""
+    from types import SimpleNamespace
+
+    from plait.comm import send
+    from plait.mesh import Mesh
+    from plait.pipeline.runtime import PipelineRuntime
+
+    mesh = Mesh(pp=2)
+    me = SimpleNamespace(mesh=mesh, axis="pp", _DTYPES=PipelineRuntime._DTYPES)
+    sent = [torch.arange(24, dtype=torch.float64).reshape(2, 3, 4).to(dt) for dt in PipelineRuntime._DTYPES]
+    sent.append(torch.ones(1, 2, 1, 3, 1, 2, dtype=torch.bfloat16))  # 6 dims: the most a header holds
+    got = []
+    for x in sent:
+        if mesh.rank("pp") == 0:
+            PipelineRuntime._send_header(me, x, 1)
+            send(x.contiguous(), mesh, "pp", 1)
+        else:
+            got.append(PipelineRuntime._recv_header_and_tensor(me, 0))
+    refused = ""
+    if mesh.rank("pp") == 0:
+        try:
+            PipelineRuntime._send_header(me, torch.ones([1] * 7), 1)
+        except PipelineError as exc:
+            refused = str(exc)
+    mesh.close()
+    return sent if mesh.rank("pp") == 0 else got, refused
+
+
+def test_a_stage_input_arrives_with_its_dtype_and_shape():
+    from plait.testing import run_ranks
+
+    (sent, refused), (got, _) = run_ranks(_exchange_headers, 2)
+    assert [(t.dtype, t.shape) for t in got] == [(t.dtype, t.shape) for t in sent]  # bf16 stays bf16
+    assert all(torch.equal(a, b) for a, b in zip(got, sent))
+    assert "more than 6 dims" in refused

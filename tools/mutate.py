@@ -36,7 +36,7 @@ TESTS = {
     "plait/planner/cost_terms.py": ["tests/test_planner_terms.py", *_CALIBRATED],
     "plait/planner/cost.py": ["tests/test_planner_terms.py", *_CALIBRATED],
     "plait/moe/router.py": ["tests/test_moe.py", "tests/test_moe_reference.py"],
-    "plait/pipeline/runtime.py": ["tests/test_pipeline_parity.py"],
+    "plait/pipeline/runtime.py": ["tests/test_pipeline_parity.py", "tests/test_pipeline_stage.py"],
     "plait/zero/shard.py": ["tests/test_zero.py"],
     "plait/planner/stages.py": [
         "tests/test_planner_terms.py",

@@ -40,8 +40,6 @@ from plait.pipeline.ir import Action, Schedule
 from plait.pipeline.simulate import Event
 from plait.pipeline.wgrad import DeferredLinears, WeightGradStore
 
-_KIND_CODES = {"F": 0, "B": 1, "W": 2, "BW": 3}
-
 
 class PipelineRuntime:
     """Executes `schedule` for this rank's stages over the mesh's `axis` (default "pp").
