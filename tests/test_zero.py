@@ -117,6 +117,10 @@ def _train_config(mesh, name, stage, kind="gpt", opt="adamw", **opts):
     if opts.pop("recompute", False):
         apply_activation_checkpointing(model)
     accum = opts.pop("accum", 1)  # micro-batches per step: backwards accumulated, one update
+    if opts.pop("perturbed", False) and mesh.rank("dp") > 0:  # wrapping must take dp rank 0's values
+        with torch.no_grad():
+            for q in model.parameters():
+                q.add_(1e-2)
     shard_axis = "dp_shard" if opts.get("hybrid_shard") else "dp"
     if opt == "lamb":
 
@@ -163,6 +167,7 @@ def _train_config(mesh, name, stage, kind="gpt", opt="adamw", **opts):
         losses.append(float(t) / n)
     engine.finish()
     params = engine.full_parameters()
+    units = len(engine.units) if stage == 3 else None
     if stage == 3:
         padded = sum(u.layout.padded for u in engine.units)
     elif stage in (1, 2):
@@ -180,6 +185,7 @@ def _train_config(mesh, name, stage, kind="gpt", opt="adamw", **opts):
         "ledger": ledger,
         "psi": psi,
         "padded": padded,
+        "units": units,
         "offload_left": sorted(p.name for p in offload_dir.iterdir())
         if offload_dir and offload_dir.exists()
         else [],
@@ -208,6 +214,7 @@ def _configs_2(tmp):
         ("s3-sgd-clip", 3, {"opt": "sgd-clip"}),
         ("s2-sgd-accum", 2, {"opt": "sgd", "accum": 2}),
         ("s3-sgd-accum", 3, {"opt": "sgd", "accum": 2}),
+        ("s3-sgd-perturbed", 3, {"opt": "sgd", "perturbed": True}),
     ]
 
 
@@ -299,6 +306,14 @@ def test_parity_with_one_process(runs, references):
             assert_close_params(other[name]["params"], res["params"], atol=0.0, what=what)
         checked += 1
     assert checked >= 6 and any("sgd" in name for name in results[0])
+
+
+def test_zero3_gathers_one_block_at_a_time(runs_2):
+    """ZeRO-3's units are the model's blocks (its `plait_blocks()`) plus the root's own
+    parameters, not one unit for the whole model (which trains the same, on more memory)."""
+    _, results = runs_2
+    assert results[0]["s3"]["units"] == len(_gpt().plait_blocks()) + 1
+    assert results[0]["s3-mlp"]["units"] == 3  # the wrap policy given: each of the 3 Linears
 
 
 def test_bf16_policy_trains_close_to_fp32(runs_2, references):
