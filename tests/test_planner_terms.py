@@ -433,3 +433,26 @@ def test_plait_plan_json_prints_the_hand_worked_terms(tmp_path, capsys):
         sync = 2 * scalar(2, alpha, beta)
         step = span + sync + 2 * params_stage(V, L, 2) * 16 / MEM_BW
         assert plans[name]["comm_share"] == pytest.approx((2 * c + sync) / step, rel=SIM), name
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"tie_weights": False}, {"bias": False}, {"experts": 4, "top_k": 2}, {"experts": 4, "moe_every": 1}],
+    ids=["tied", "untied", "no-bias", "moe-every-2", "moe-every-1"],
+)
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_stage_params_are_the_heaviest_stages_own_parameters(kw, pp):
+    """The parameters the planner prices for the heaviest pipeline stage are those of the actual
+    stage modules (plait's GPT cut by split_gpt, counted with torch; a tied head's copy of the
+    embedding on the last stage). Mutation testing found the count unpinned; this test found that
+    MoE blocks were spread evenly over the stages: at pp 4 with moe_every 2 the heaviest stage
+    holds an MoE block, 41,024 parameters where the planner priced 28,880."""
+    from plait.models.gpt import GPT
+    from plait.models.gpt_parallel import split_gpt
+    from plait.planner.cost import stage_params
+
+    cfg = GPTConfig(vocab_size=96, seq_len=16, n_layer=4, n_head=2, d_model=32, **kw)
+    model = GPT(cfg)
+    stages = split_gpt(model, pp) if pp > 1 else [model]
+    heaviest = max(sum(p.numel() for p in s.parameters()) for s in stages)
+    assert stage_params(cfg, Candidate(pp=pp)) == heaviest

@@ -66,20 +66,27 @@ def stage_params(cfg: GPTConfig, layout: Candidate) -> int:
     outside = V * h + s * h + ln + (0 if cfg.tie_weights else V * h)
     blocks = cfg.n_params() - outside
     mlp = 2 * h * cfg.ff_dim + int(cfg.bias) * (cfg.ff_dim + h)
-    experts = cfg.n_moe_layers * cfg.experts * mlp if cfg.experts else 0
-    per_block_dense, per_block_experts = (blocks - experts) / L, experts / L
+    E = cfg.experts
+    # A block with a mixture-of-experts MLP has a router (E x h) and E MLPs where a dense block has
+    # one MLP; the blocks are otherwise alike. Counted per block, so that a stage holding more
+    # MoE blocks than another (moe_every > 1 with few blocks per stage) is priced as it is.
+    dense = (blocks - cfg.n_moe_layers * (E * h + (E - 1) * mlp)) / L
     # Megatron keeps whole on every tp rank a block's two LayerNorms and the biases of its two
     # row-parallel layers (added after the all-reduce): 4h + 2h with biases, 2h without.
     whole = 2 * ln + 2 * h * int(cfg.bias)
+
+    def block(i: int) -> float:
+        if not cfg.is_moe(i):
+            return (dense - whole) / layout.tp + whole
+        return (dense - mlp + E * h - whole) / layout.tp + whole + E * mlp / (layout.tp * layout.ep)
+
     k = L // layout.pp
-    body = k * ((per_block_dense - whole) / layout.tp + whole + per_block_experts / (layout.tp * layout.ep))
+    bodies = [sum(block(i) for i in range(j * k, (j + 1) * k)) for j in range(layout.pp)]
     if layout.pp == 1:  # the vocabulary splits over tp, the positions and ln_f do not
-        edges = (outside - s * h - ln) / layout.tp + s * h + ln
-    else:
-        first = (V * h) / layout.tp + s * h
-        last = V * h / layout.tp + ln  # the head, or a tied embedding's copy
-        edges = max(first, last)
-    return math.ceil(body + edges)
+        return math.ceil(bodies[0] + (outside - s * h - ln) / layout.tp + s * h + ln)
+    first = (V * h) / layout.tp + s * h
+    last = V * h / layout.tp + ln  # the head, or a tied embedding's copy
+    return math.ceil(max(bodies[0] + first, bodies[-1] + last, *bodies[1:-1]))
 
 
 def evaluate(
