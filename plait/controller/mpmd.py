@@ -29,6 +29,7 @@ RDMABuffer is not used.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -63,7 +64,7 @@ class StageActor(Actor):
     def build(self, world: int, port: int, factory, optimizer, loss_fn, seed: int, last: bool) -> None:
         rank_env(self.rank, world, port)
         torch.set_num_threads(1)
-        init_distributed("cpu" if not torch.cuda.is_available() else None)
+        init_distributed()  # the local GPU, else the CPU (gloo)
         self.mesh = Mesh(dp=world)
         torch.manual_seed(seed)
         module = factory().to(self.mesh.device)
@@ -82,9 +83,9 @@ class StageActor(Actor):
         out = self.model(x)
         if self.last:
             loss = self.loss_fn(out, y.to(self.mesh.device))
-            self.saved[mb] = (x, loss / m, None)
+            self.saved[mb] = (x, loss / m)
             return float(loss.detach())
-        self.saved[mb] = (x, out, None)
+        self.saved[mb] = (x, out)
         return out.detach().cpu()
 
     @endpoint
@@ -93,20 +94,11 @@ class StageActor(Actor):
         """Micro-batch `mb`'s backward (`grad`: the output's gradient; None on the last island);
         `sync`: the island's last backward of the step, which synchronises the gradients over dp.
         Returns the input's gradient (None for the first island's token or feature input)."""
-        x, out, _ = self.saved.pop(mb)
-        sync_ctx = self.model.no_sync() if (not sync and isinstance(self.model, DataParallel)) else None
-        if sync_ctx is not None:
-            with sync_ctx:
-                self._backward(out, grad)
-        else:
-            self._backward(out, grad)
+        x, out = self.saved.pop(mb)
+        defer = not sync and isinstance(self.model, DataParallel)
+        with self.model.no_sync() if defer else contextlib.nullcontext():
+            out.backward(None if grad is None else grad.to(out.device))
         return None if x.grad is None else x.grad.detach().cpu()
-
-    def _backward(self, out: torch.Tensor, grad: torch.Tensor | None) -> None:
-        if grad is None:
-            out.backward()
-        else:
-            out.backward(grad.to(out.device))
 
     @endpoint
     @_fails_once
@@ -157,7 +149,6 @@ class IslandPipeline:
         self.seed, self.m = seed, microbatches
         self.schedule = make_schedule(schedule, len(stages), microbatches)
         self.islands: list = []  # per island: (its ProcMesh, its actors by rank)
-        self.steps = 0
 
     def __enter__(self) -> IslandPipeline:
         _opened()
@@ -229,7 +220,6 @@ class IslandPipeline:
                     grads[(s, a.mb)] = torch.cat(results)
         for s in range(n):
             self._collect(s, [r.step.call_one() for r in self.islands[s][1]], "step")
-        self.steps += 1
         return sum(losses) / len(losses)  # equal rows: the mean of the micro-batch means
 
     def _ready(self, a, outs, grads) -> bool:

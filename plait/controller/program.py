@@ -26,6 +26,7 @@ they are imported by name in the actors, which must be able to import it.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -44,8 +45,6 @@ from plait.controller.driver import RankFailed, _gather, _quiet
 from plait.data.batch import split_batch
 from plait.errors import ConfigError, PlaitError
 from plait.train.launch import _threads_per_rank
-
-ORDER = ("pp", "dp", "ep", "tp")  # the named dims of the process mesh, outermost first
 
 
 class RankFailedError(PlaitError):
@@ -168,10 +167,8 @@ class DriverMesh:
     def __init__(self, layout: Mapping):
         self.layout = dict(layout)
         self.shape = mesh_shape(self.layout)
-        self.world = 1
-        for n in self.shape.values():
-            self.world *= n
-        self.procs = self.actors = None
+        self.world = math.prod(self.shape.values())
+        self.procs = None
         self.ranks: list = []
         self.coords = [dict(zip(self.shape, c)) for c in itertools.product(*map(range, self.shape.values()))]
         self.places: list[dict] = []
