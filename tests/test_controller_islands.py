@@ -9,6 +9,7 @@ refused before any process starts.
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 from conftest import live_with, run_python
@@ -43,7 +44,7 @@ print(json.dumps(out))
 def result(tmp_path_factory):
     script = tmp_path_factory.mktemp("islands") / "islands_run.py"
     script.write_text(SCRIPT)
-    tag = "islands-" + script.parent.name
+    tag = uuid.uuid4().hex  # unique: another session's run of this test must not count as left over
     r = run_python(str(script), tag=tag, timeout=400)
     return r, tag
 
