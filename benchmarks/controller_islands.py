@@ -1,17 +1,21 @@
-"""A pipeline over islands (MPMD, `plait.controller.islands`) against one process, step time.
+"""A pipeline over islands (MPMD, `plait.controller.islands`): direct island-to-island links
+against transfers relayed by the controller, and both against one process, step time.
 
 What is measured: examples/islands.py's two-stage MLP (16 -> W -> W -> 4, stage 0 the first
 layer, stage 1 the rest) at width `--width`, `--steps` steps of `--rows` rows in 4 micro-batches,
-under each layout below; the same training in plain PyTorch on one process runs in the same
-call (one thread, as each island's rank) and gives the baseline. Reported per layout: the
-median step time, its ratio to one process's, and the largest relative difference of the
-losses and final parameters from one process (the parity the tests check at 1e-5).
+under each layout below, once with `transfer="direct"` (activations and gradients over a gloo
+link between the islands) and once with `transfer="controller"` (relayed through the controller
+as endpoint arguments and results), the two alternating first over `--rounds` rounds. The same
+training in plain PyTorch on one process runs in the same call (one thread, as each island's
+rank) and gives the baseline. Reported per layout: the median step time of each transfer (the
+median over rounds of each round's median), relayed / direct, direct / one process, the bytes
+the link carried per step, and the largest relative difference of the losses and final
+parameters from one process (the parity the tests check at 1e-5).
 
 On 2 shared CPU cores the islands' processes (up to 3 here) and the controller compete for the
-cores, and each micro-batch's activations travel through the controller (TCP): the figures show
-the controller's overhead on small stages, not a speed-up.
+cores: the figures show the runtime's overhead on small stages, not a speed-up.
 
-    .venv/bin/python benchmarks/controller_islands.py [--width 512] [--rows 256] [--steps 12]
+    .venv/bin/python benchmarks/controller_islands.py [--width 512] [--rows 256] [--steps 12] [--rounds 2]
 
 writes benchmarks/results/controller_islands.md.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,12 +35,16 @@ from _common import machine_info, markdown_table, text_table, write_report
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "controller_islands.md"
 LAYOUTS = ["gpipe:1,1", "1f1b:1,1", "1f1b:2,1", "1f1b:1,2"]
+TRANSFERS = ["direct", "controller"]
 HEADERS = [
     "schedule",
     "islands' dp",
-    "step ms (median)",
+    "direct ms",
+    "relayed ms",
+    "relayed / direct",
     "one process ms",
-    "/ one process",
+    "direct / one process",
+    "link MB / step",
     "losses",
     "params",
 ]
@@ -46,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "examples"))
     # the islands' processes unpickle the example's functions by module name: they import it too
@@ -57,29 +67,43 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     for spec in LAYOUTS:
         schedule, dp = spec.split(":")
-        r = run(schedule, [int(d) for d in dp.split(",")], args.steps, args.rows, 4, args.width)
+        dp_ = [int(d) for d in dp.split(",")]
+        runs: dict[str, list[dict]] = {t: [] for t in TRANSFERS}
+        for k in range(args.rounds):
+            for transfer in TRANSFERS[k % 2 :] + TRANSFERS[: k % 2]:  # each goes first in turn
+                runs[transfer].append(run(schedule, dp_, args.steps, args.rows, 4, args.width, transfer))
+        direct = statistics.median(r["step_ms"] for r in runs["direct"])
+        relayed = statistics.median(r["step_ms"] for r in runs["controller"])
+        one = statistics.median(r["one_process_ms"] for rs in runs.values() for r in rs)
+        forward, back = runs["direct"][0]["link_bytes"][0]
+        every = [r for rs in runs.values() for r in rs]
         table.append(
             [
                 schedule,
-                str(r["dp"]),
-                f"{r['step_ms']:.1f}",
-                f"{r['one_process_ms']:.1f}",
-                f"{r['step_ms'] / r['one_process_ms']:.2f}",
-                f"{r['loss_err']:.1e}",
-                f"{r['param_err']:.1e}",
+                str(dp_),
+                f"{direct:.1f}",
+                f"{relayed:.1f}",
+                f"{relayed / direct:.2f}",
+                f"{one:.1f}",
+                f"{direct / one:.2f}",
+                f"{(forward + back) / args.steps / 2**20:.2f}",
+                f"{max(r['loss_err'] for r in every):.1e}",
+                f"{max(r['param_err'] for r in every):.1e}",
             ]
         )
         print(text_table(HEADERS, table[-1:]), flush=True)
     write_report(
         RESULTS,
-        "Single controller: a pipeline over islands (MPMD) vs one process",
+        "Single controller: a pipeline over islands (MPMD), direct links vs relayed, vs one process",
         info,
         time.perf_counter() - t0,
         [
             f"- examples/islands.py's MLP, width {args.width}, {args.rows} rows per step in 4 "
-            f"micro-batches, {args.steps} steps (the first left out of the median); the one-process "
-            "time is plain PyTorch on the same batches, measured in the same call; losses and params: "
-            "the largest relative difference from one process.",
+            f"micro-batches, {args.steps} steps (the first left out of each median), {args.rounds} "
+            "rounds with direct and relayed transfers alternating first; the one-process time is "
+            "plain PyTorch on the same batches, measured in the same call; link MB / step: what the "
+            "direct link carried (activations forward, gradients back); losses and params: the largest "
+            "relative difference from one process over every run.",
             "",
             markdown_table(HEADERS, table),
         ],

@@ -3,11 +3,13 @@
     python examples/islands.py                                  # 1F1B, stage 0 on 2 ranks, stage 1 on 1
     python examples/islands.py --runs gpipe:1,2 1f1b:2,2        # SCHEDULE:DP0,DP1 ...
     python examples/islands.py --width 512 --steps 20           # bigger stages: time per step
+    python examples/islands.py --runs 1f1b:2,1:controller       # relay through the controller
 
 This program is the controller. `plait.controller.islands` spawns one Monarch process mesh per
 stage (an island), each rank building its stage module and wrapping it data-parallel over its
-island; the controller walks plait's pipeline schedule (GPipe or 1F1B), passing each micro-batch's
-activations forward and their gradients back between islands. At the end the stages' parameters
+island; the controller walks plait's pipeline schedule (GPipe or 1F1B), and each micro-batch's
+activations go forward and their gradients back from island to island over a gloo link between
+them (or, with `:controller`, relayed through this program). At the end the stages' parameters
 are gathered here and checked against the same training in plain PyTorch on one process (SGD
 without clipping): islands of different widths train exactly like one device.
 """
@@ -71,10 +73,24 @@ def reference(steps: int, rows: int, width: int):
     return losses, {k: v.detach() for k, v in model.named_parameters()}, statistics.median(times[1:]) * 1e3
 
 
-def run(schedule: str, dp: list[int], steps: int, rows: int, microbatches: int, width: int) -> dict:
+def run(
+    schedule: str,
+    dp: list[int],
+    steps: int,
+    rows: int,
+    microbatches: int,
+    width: int,
+    transfer: str = "direct",
+) -> dict:
     stages = [functools.partial(stage, 0, width), functools.partial(stage, 1, width)]
     with plait.controller.islands(
-        stages, dp=dp, optimizer=optimizer, loss_fn=loss_fn, schedule=schedule, microbatches=microbatches
+        stages,
+        dp=dp,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        schedule=schedule,
+        microbatches=microbatches,
+        transfer=transfer,
     ) as p:
         losses, times = [], []
         for batch in batches(steps, rows):
@@ -82,6 +98,7 @@ def run(schedule: str, dp: list[int], steps: int, rows: int, microbatches: int, 
             losses.append(p.step(batch))
             times.append(time.perf_counter() - t0)
         params = p.state_dict()
+        link_bytes = p.link_bytes()
     want_losses, want_params, one_ms = reference(steps, rows, width)
     # a stage's names are the model's own (nn.Sequential slices keep them): stage1.2.weight is 2.weight
     got = {k.split(".", 1)[1]: v for k, v in params.items()}
@@ -89,6 +106,8 @@ def run(schedule: str, dp: list[int], steps: int, rows: int, microbatches: int, 
     return {
         "schedule": schedule,
         "dp": dp,
+        "transfer": transfer,
+        "link_bytes": link_bytes,
         "losses": losses,
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)),
         "param_err": max(((got[k] - v).norm() / v.norm()).item() for k, v in want_params.items()),
@@ -99,7 +118,9 @@ def run(schedule: str, dp: list[int], steps: int, rows: int, microbatches: int, 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", nargs="+", default=["1f1b:2,1"], help="SCHEDULE:DP0,DP1 (gpipe or 1f1b)")
+    ap.add_argument(
+        "--runs", nargs="+", default=["1f1b:2,1"], help="SCHEDULE:DP0,DP1[:controller] (gpipe or 1f1b)"
+    )
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rows", type=int, default=32, help="rows of each global batch")
     ap.add_argument("--microbatches", type=int, default=4)
@@ -108,11 +129,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     out = []
     for spec in args.runs:
-        schedule, dp = spec.split(":")
+        schedule, dp, *transfer = spec.split(":")
         dp_ = [int(d) for d in dp.split(",")]
-        r = run(schedule, dp_, args.steps, args.rows, args.microbatches, args.width)
+        r = run(schedule, dp_, args.steps, args.rows, args.microbatches, args.width, *transfer)
         print(
-            f"{schedule} on islands of dp {r['dp']}: {args.steps} steps, median {r['step_ms']:.1f} ms/step; "
+            f"{schedule} on islands of dp {r['dp']} ({r['transfer']}): {args.steps} steps, "
+            f"median {r['step_ms']:.1f} ms/step; "
             f"largest relative difference from one process: losses {r['loss_err']:.1e}, "
             f"parameters {r['param_err']:.1e}",
             flush=True,

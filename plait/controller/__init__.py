@@ -52,7 +52,7 @@ def mesh(layout=None):
     return DriverMesh(layout or {})
 
 
-def islands(stages, dp, optimizer, loss_fn, schedule="1f1b", microbatches=4, seed=0):
+def islands(stages, dp, optimizer, loss_fn, schedule="1f1b", microbatches=4, seed=0, transfer="direct"):
     """A pipeline whose stages run on process meshes of their own ("islands", MPMD), each with its
     own data-parallel degree, driven from this program (plait.controller.mpmd):
 
@@ -60,11 +60,12 @@ def islands(stages, dp, optimizer, loss_fn, schedule="1f1b", microbatches=4, see
             loss = p.step((x, y))
 
     `stages`: one factory per stage returning its module (called after torch.manual_seed(seed));
-    `loss_fn(output, targets)`: the mean loss over the rows; schedule: gpipe or 1f1b."""
+    `loss_fn(output, targets)`: the mean loss over the rows; schedule: gpipe or 1f1b; transfer:
+    "direct" (island to island over gloo, plait.controller.links) or "controller" (relayed here)."""
     require_monarch()
     from plait.controller.mpmd import IslandPipeline
 
-    return IslandPipeline(stages, dp, optimizer, loss_fn, schedule, microbatches, seed)
+    return IslandPipeline(stages, dp, optimizer, loss_fn, schedule, microbatches, seed, transfer)
 
 
 def launch_controller(cfg, resume: bool = False, checkpoint=None) -> int:

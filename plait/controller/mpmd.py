@@ -18,13 +18,17 @@ their last micro-batch's backward.
 
 Scaling. The objective is the mean loss over the global batch. The last island's rank backprops
 its micro-batch's mean loss / m; `DataParallel` averages over the island's dp, so its weights get
-the gradient of the mean, and the input gradient it returns is dp_last x that of the mean. The
-controller multiplies the gradient it relays from island s+1 to island s by dp_s / dp_(s+1), so
+the gradient of the mean, and the input gradient it computes is dp_last x that of the mean. Each
+island s+1 multiplies the input gradient it hands back by dp_s / dp_(s+1), so
 every island's averaged gradient is the mean's: islands of different widths train exactly like
 one process (tests/test_controller_islands.py).
 
-Transfers go through the controller as endpoint arguments and results (TCP); Monarch's
-RDMABuffer is not used.
+Transfers. By default (`transfer="direct"`) activations and gradients go from island to island
+over a gloo group spanning each boundary's ranks (plait.controller.links): the controller sends
+only the actions and, per forward, the output's shape. `transfer="controller"` relays them
+through the controller as endpoint arguments and results instead, to measure what that costs
+(benchmarks/controller_islands.py). The first island's inputs and the last island's targets
+come from the controller, which owns the data.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ import torch
 import torch.distributed as dist
 from monarch.actor import Actor, current_rank, endpoint, this_host
 
-from plait.comm.ports import free_port
+from plait.comm.ports import free_port, loopback_store
 from plait.comm.spawn import rank_env
 from plait.controller.actor import _fails_once
 from plait.controller.driver import RankFailed, _gather
+from plait.controller.links import Link
 from plait.controller.program import RankFailedError, _closed, _opened
 from plait.data.batch import split_batch
 from plait.data_parallel import DataParallel
@@ -49,19 +54,27 @@ from plait.mesh import Mesh, init_distributed
 from plait.pipeline.schedules import make_schedule
 
 SCHEDULES = ("gpipe", "1f1b")  # one stage per island and an unsplit backward
+TRANSFERS = ("direct", "controller")  # island to island over gloo, or relayed by the controller
 
 
 class StageActor(Actor):
-    """One rank of one island: its stage module, data parallel over the island."""
+    """One rank of one island: its stage module, data parallel over the island, and its ends of
+    the links to the neighbouring islands (direct transfers)."""
 
     def __init__(self) -> None:
         self.rank = current_rank().rank
         self.failed = ""
         self.model = None
+        self.links: dict[str, Link] = {}
 
     @endpoint
     @_fails_once
-    def build(self, world: int, port: int, factory, optimizer, loss_fn, seed: int, last: bool) -> None:
+    def build(
+        self, port: int, factory, optimizer, loss_fn, seed: int, island: int, dp: list, store: int | None
+    ) -> None:
+        """Join island `island`'s group (`port`), build the stage and, with `store` (the port of
+        the controller's store; None: relayed transfers), the links to the neighbouring islands."""
+        world, last = dp[island], island == len(dp) - 1
         rank_env(self.rank, world, port)
         torch.set_num_threads(1)
         init_distributed()  # the local GPU, else the CPU (gloo)
@@ -72,13 +85,25 @@ class StageActor(Actor):
         self.model = DataParallel(module, self.mesh) if world > 1 else module
         self.optimizer = optimizer(list(module.parameters()))
         self.loss_fn, self.last = loss_fn, last
+        # island s hands back dp_(s-1) / dp_s x its input gradient: the module docstring's scaling
+        self.scale = dp[island - 1] / world if island else 1.0
         self.saved: dict[int, tuple] = {}
+        if store is not None:  # the previous link first on every island: no two wait on each other
+            if island > 0:
+                self.links["prev"] = Link(store, island - 1, (dp[island - 1], world), False, self.rank)
+            if not last:
+                self.links["next"] = Link(store, island, (world, dp[island + 1]), True, self.rank)
 
     @endpoint
     @_fails_once
-    def forward(self, mb: int, x: torch.Tensor, y: torch.Tensor | None, m: int):
-        """Micro-batch `mb`'s forward on this rank's rows: the output (a middle island) or the
-        mean loss of the rows (the last island), kept for the backward."""
+    def forward(self, mb: int, x, y: torch.Tensor | None, m: int):
+        """Micro-batch `mb`'s forward on this rank's rows, kept for the backward. `x`: the rows, or
+        (rows of the micro-batch, shape of a row, dtype) to receive them over the previous link.
+        Returns the mean loss of the rows (the last island); else the output, or, sent over the
+        next link, its row shape and dtype."""
+        if isinstance(x, tuple):
+            rows, tail, dtype = x
+            x = self.links["prev"].recv(mb, rows // self.links["prev"].mine, tail, dtype)
         x = x.to(self.mesh.device).requires_grad_(x.is_floating_point())
         out = self.model(x)
         if self.last:
@@ -86,23 +111,37 @@ class StageActor(Actor):
             self.saved[mb] = (x, loss / m)
             return float(loss.detach())
         self.saved[mb] = (x, out)
+        if "next" in self.links:
+            self.links["next"].send(out, mb)
+            return tuple(out.shape[1:]), out.dtype
         return out.detach().cpu()
 
     @endpoint
     @_fails_once
-    def backward(self, mb: int, grad: torch.Tensor | None, sync: bool):
-        """Micro-batch `mb`'s backward (`grad`: the output's gradient; None on the last island);
-        `sync`: the island's last backward of the step, which synchronises the gradients over dp.
-        Returns the input's gradient (None for the first island's token or feature input)."""
+    def backward(self, mb: int, grad, sync: bool):
+        """Micro-batch `mb`'s backward. `grad`: the output's gradient (these rows), None on the last
+        island, or "link" to receive it over the next link; `sync`: the island's last backward of
+        the step, which synchronises the gradients over dp. Returns the input's gradient, scaled
+        for the previous island (None when it is sent over the link, or for token inputs)."""
         x, out = self.saved.pop(mb)
+        if isinstance(grad, str):
+            grad = self.links["next"].recv(mb, out.shape[0], tuple(out.shape[1:]), out.dtype)
         defer = not sync and isinstance(self.model, DataParallel)
         with self.model.no_sync() if defer else contextlib.nullcontext():
             out.backward(None if grad is None else grad.to(out.device))
-        return None if x.grad is None else x.grad.detach().cpu()
+        if x.grad is None:
+            return None
+        g = x.grad.detach() * self.scale
+        if "prev" in self.links:
+            self.links["prev"].send(g, mb)
+            return None
+        return g.cpu()
 
     @endpoint
     @_fails_once
     def step(self) -> None:
+        for link in self.links.values():
+            link.wait()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -115,9 +154,15 @@ class StageActor(Actor):
         return {k: v.detach().cpu().clone() for k, v in self.module.named_parameters()}
 
     @endpoint
+    def sent_bytes(self) -> dict[str, int]:
+        """The bytes this rank has sent over each of its links."""
+        return {k: link.sent_bytes for k, link in self.links.items()}
+
+    @endpoint
     def close(self) -> None:
         if isinstance(self.model, DataParallel):
             self.model.remove_hooks()
+        self.links.clear()
         if getattr(self, "mesh", None) is not None:
             self.mesh.close()
         if dist.is_initialized():
@@ -136,6 +181,7 @@ class IslandPipeline:
         schedule: str = "1f1b",
         microbatches: int = 4,
         seed: int = 0,
+        transfer: str = "direct",
     ):
         if len(stages) < 2:
             raise ConfigError(f"islands: a pipeline needs at least 2 stages, got {len(stages)}")
@@ -145,6 +191,10 @@ class IslandPipeline:
             raise ConfigError(
                 f"islands: schedule = {schedule!r} is not available; valid: {', '.join(SCHEDULES)}"
             )
+        if transfer not in TRANSFERS:
+            raise ConfigError(f"islands: transfer = {transfer!r} is not one of {', '.join(TRANSFERS)}")
+        self.direct = transfer == "direct"
+        self.store = None  # the links' store (direct transfers), hosted here on 127.0.0.1
         self.stages, self.dp, self.optimizer, self.loss_fn = list(stages), list(dp), optimizer, loss_fn
         self.seed, self.m = seed, microbatches
         self.schedule = make_schedule(schedule, len(stages), microbatches)
@@ -157,10 +207,12 @@ class IslandPipeline:
                 procs = this_host().spawn_procs(per_host={"dp": n})
                 actors = procs.spawn(f"plait_stage{s}", StageActor)
                 self.islands.append((procs, [actors.slice(dp=r) for r in range(n)]))
+            if self.direct:
+                self.store = loopback_store(wait_for_workers=False)
             builds = []
-            for s, (factory, n) in enumerate(zip(self.stages, self.dp)):
-                port, last = free_port(), s == len(self.stages) - 1
-                args = (n, port, factory, self.optimizer, self.loss_fn, self.seed, last)
+            for s, factory in enumerate(self.stages):
+                store = self.store.port if self.direct else None
+                args = (free_port(), factory, self.optimizer, self.loss_fn, self.seed, s, self.dp, store)
                 builds.append([r.build.call_one(*args) for r in self.islands[s][1]])
             for s, futures in enumerate(builds):
                 self._collect(s, futures, "build")
@@ -182,7 +234,7 @@ class IslandPipeline:
             procs.stop().get()
         if self.islands:
             _closed()
-        self.islands = []
+        self.islands, self.store = [], None
 
     # --- one step --------------------------------------------------------------------------------
 
@@ -214,10 +266,12 @@ class IslandPipeline:
                 results = self._collect(s, futures, f"{'forward' if a.kind == 'F' else 'backward'} {a.mb}")
                 if a.kind == "F" and s == n - 1:
                     losses += results
-                elif a.kind == "F":
-                    outs[(s, a.mb)] = torch.cat(results)
-                elif s > 0:
-                    grads[(s, a.mb)] = torch.cat(results)
+                elif s == 0 and a.kind == "B":
+                    pass
+                elif self.direct:  # the data went over the link: a forward's output shape, or nothing
+                    (outs if a.kind == "F" else grads)[(s, a.mb)] = results[0]
+                else:
+                    (outs if a.kind == "F" else grads)[(s, a.mb)] = torch.cat(results)
         for s in range(n):
             self._collect(s, [r.step.call_one() for r in self.islands[s][1]], "step")
         return sum(losses) / len(losses)  # equal rows: the mean of the micro-batch means
@@ -230,19 +284,24 @@ class IslandPipeline:
     def _dispatch(self, s: int, a, xs, ys, outs, grads, last_bw: bool) -> list:
         ranks, n = self.islands[s][1], self.dp[s]
         if a.kind == "F":
-            inp = xs[a.mb] if s == 0 else outs.pop((s - 1, a.mb))
             last = s == len(self.stages) - 1
+            if s == 0:
+                inp = [split_batch(xs[a.mb], n, i) for i in range(n)]
+            elif self.direct:  # receive over the link: the micro-batch's rows, a row's shape, dtype
+                inp = [(xs[a.mb].shape[0], *outs.pop((s - 1, a.mb)))] * n
+            else:
+                inp = [split_batch(outs.pop((s - 1, a.mb)), n, i) for i in range(n)]
             return [
-                r.forward.call_one(
-                    a.mb, split_batch(inp, n, i), split_batch(ys[a.mb], n, i) if last else None, self.m
-                )
+                r.forward.call_one(a.mb, inp[i], split_batch(ys[a.mb], n, i) if last else None, self.m)
                 for i, r in enumerate(ranks)
             ]
         if s == len(self.stages) - 1:
             return [r.backward.call_one(a.mb, None, last_bw) for r in ranks]
-        # island s+1 returns dp_(s+1) x the mean's input gradient; island s averages over dp_s
-        g = grads.pop((s + 1, a.mb)) * (n / self.dp[s + 1])
-        return [r.backward.call_one(a.mb, split_batch(g, n, i), last_bw) for i, r in enumerate(ranks)]
+        g = grads.pop((s + 1, a.mb))
+        return [
+            r.backward.call_one(a.mb, "link" if self.direct else split_batch(g, n, i), last_bw)
+            for i, r in enumerate(ranks)
+        ]
 
     @staticmethod
     def _wait_any(running: dict) -> list[int]:
@@ -270,6 +329,18 @@ class IslandPipeline:
             params = self._collect(s, [r.parameters.call_one() for r in ranks], "parameters")[0]
             out.update({f"stage{s}.{k}": v for k, v in params.items()})
         return out
+
+    def link_bytes(self) -> list[tuple[int, int]]:
+        """Per boundary s | s+1, the bytes sent over its link so far: forward (by island s's ranks)
+        and back (by island s+1's). Zeros when transfers are relayed by the controller."""
+        sent = [
+            self._collect(s, [r.sent_bytes.call_one() for r in ranks], "sent_bytes")
+            for s, (_, ranks) in enumerate(self.islands)
+        ]
+        return [
+            (sum(d.get("next", 0) for d in sent[s]), sum(d.get("prev", 0) for d in sent[s + 1]))
+            for s in range(len(sent) - 1)
+        ]
 
     def _collect(self, s: int, futures: list, call: str) -> list:
         try:
