@@ -38,6 +38,10 @@ TESTS = {
     "plait/moe/router.py": ["tests/test_moe.py", "tests/test_moe_reference.py"],
     "plait/pipeline/runtime.py": ["tests/test_pipeline_parity.py", "tests/test_pipeline_stage.py"],
     "plait/zero/shard.py": ["tests/test_zero.py"],
+    "plait/controller/links.py": [
+        "tests/test_controller_islands.py::test_the_pieces_are_the_overlaps_of_the_two_islands_shares",
+        "tests/test_controller_islands.py::test_a_link_resplits_rows_between_islands_of_2_and_3_ranks",
+    ],
     "plait/planner/stages.py": [
         "tests/test_planner_terms.py",
         "tests/test_planner.py::test_inter_op_dp_equals_brute_force_on_random_cases",

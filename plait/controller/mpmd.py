@@ -55,6 +55,7 @@ from plait.pipeline.schedules import make_schedule
 
 SCHEDULES = ("gpipe", "1f1b")  # one stage per island and an unsplit backward
 TRANSFERS = ("direct", "controller")  # island to island over gloo, or relayed by the controller
+CLOSE_S = 10.0  # how long the ranks have to leave their groups before their processes are stopped
 
 
 class StageActor(Actor):
@@ -225,12 +226,15 @@ class IslandPipeline:
         self.close()
 
     def close(self) -> None:
-        """Stop every island's processes (idempotent)."""
-        for procs, actors in self.islands:
-            try:
-                _gather([a.close.call_one() for a in actors])
-            except RankFailed:
-                pass
+        """Stop every island's processes (idempotent). Each rank is asked to leave its groups
+        first, for CLOSE_S seconds at most: after a failure a peer may still wait in a collective
+        or a link for the failed rank, and its process is stopped all the same."""
+        deadline = time.monotonic() + CLOSE_S
+        closing = [(procs, [a.close.call_one() for a in actors]) for procs, actors in self.islands]
+        for procs, futures in closing:
+            for f in futures:
+                with contextlib.suppress(Exception):  # failed, dead or stuck: stopped below
+                    f.get(timeout=max(0.001, deadline - time.monotonic()))
             procs.stop().get()
         if self.islands:
             _closed()
