@@ -63,7 +63,8 @@ def runs(shared_runs, tmp_path_factory):
         jobs[f"{name}/controller"] = train_job(base / name, *TINY, *layout, *CONTROLLER, timeout=400)
     # the controller's checkpoint of step 4 (its sampler position the controller's) resumed by SPMD
     jobs["resumed"] = resume_job(jobs["dp2/controller"], base / "resumed", "--runtime.kind", "spmd")
-    # rank 1 killed (SIGKILL) at step 6: the controller spawns a fresh mesh that resumes from step 4
+    # rank 1 killed (SIGKILL) at step 6: the controller spawns a fresh mesh that resumes from rank
+    # 0's memory at step 5 (dp2) or from the checkpoint of step 4 (pp2: no dp peer)
     # held-out evaluations every 2 steps, in-line (SPMD) and on an island (the weights of two stages)
     evals = (*PP, "--parallel.schedule", "1f1b", "--train.eval_every", "2")
     jobs["island/spmd"] = shared_runs.job(*TINY, *evals, timeout=300)
@@ -115,10 +116,16 @@ def test_an_evaluation_island_gives_the_in_line_held_out_losses_while_training_g
 def test_a_killed_rank_is_recovered_on_a_fresh_mesh_and_ends_as_if_uninterrupted(runs, layout):
     (run, r), (spmd, _) = runs[f"{layout}/recovered"], runs[f"{layout}/spmd"]
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "plait: rank 1 failed; a fresh mesh resumes from the newest checkpoint" in r.stderr
     assert "Killed(sig=9)" in r.stderr
-    assert "restart 1 of train.max_restarts = 1 after a rank failed; resuming from" in r.stdout
-    assert "step_00000004" in r.stdout
+    if layout == "dp2":  # from the surviving dp peer's memory, at the step it had finished
+        assert "plait: rank 1 failed; a fresh mesh resumes at step 5 from the memory of its" in r.stderr
+        assert "recovered at step 5 from rank 0's memory (a dp peer)" in r.stdout
+        assert "step_00000004" not in r.stdout  # no checkpoint was read
+    else:  # pp2 (dp 1): no peer holds a copy, so the newest checkpoint
+        assert "no recovery from a peer's memory (dp = 1: no rank holds a copy" in r.stdout
+        assert "plait: rank 1 failed; a fresh mesh resumes from the newest checkpoint" in r.stderr
+        assert "restart 1 of train.max_restarts = 1 after a rank failed; resuming from" in r.stdout
+        assert "step_00000004" in r.stdout
     assert sorted(metrics(run)) == list(range(1, 9))
     assert_runs_match(run, spmd, rtol=0, what=f"{layout}: killed at step 6 and recovered")
 

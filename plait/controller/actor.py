@@ -20,6 +20,7 @@ import torch.distributed as dist
 from monarch.actor import Actor, current_rank, endpoint
 
 from plait.comm.spawn import rank_env
+from plait.controller import peer
 from plait.train import loop, report
 from plait.train.config import config_from_dict
 from plait.train.nonfinite import guard_nonfinite
@@ -66,16 +67,25 @@ class RankActor(Actor):
         self.hook = None
         self.loss = float("nan")
         self.failed = ""
+        self.taken = 0  # the last step whose update this rank applied (plait.controller.peer)
 
     @endpoint
     @_fails_once
     def setup(
-        self, cfg_dict: dict, port: int, threads: int, resume: bool, peak: float | None, restart: int
+        self,
+        cfg_dict: dict,
+        port: int,
+        threads: int,
+        resume: bool,
+        peak: float | None,
+        restart: int,
+        peer_state: dict | None = None,
     ) -> dict:
         """Join the process group and build the run (`restart` > 0: a fresh mesh after a failed
-        one, resuming from the newest checkpoint as plait.train.loop does); returns this rank's
-        place in the batch (its data rank and their number), the sampler's position and rank
-        0's start-up lines."""
+        one, resuming from the newest checkpoint as plait.train.loop does, or, with `peer_state`,
+        from a data-parallel peer's memory: plait.controller.peer); returns this rank's place in
+        the batch (its data rank and their number), the sampler's position and rank 0's
+        start-up lines."""
         cfg = config_from_dict(cfg_dict)
         world = cfg.world_size
         # TORCHELASTIC_RESTART_COUNT: what an SPMD rank of a restarted job sees (step hooks read it)
@@ -84,8 +94,13 @@ class RankActor(Actor):
         mesh = loop.make_mesh(cfg)
         out: dict = {}
         with _captured(out):
-            run = self.run = loop._setup(cfg, mesh, resume, peak, restart, StopRequest())
+            run = self.run = loop._setup(
+                cfg, mesh, resume, peak, restart, StopRequest(), peer_state is not None
+            )
+            if peer_state is not None:
+                peer.restore(run, peer_state)
             report.announce(run)
+        self.taken = run.start
         run.metrics.close()  # the controller writes the metrics (an empty append: nothing lost)
         run.engine.module.train()
         self.window = report.Window()
@@ -110,6 +125,7 @@ class RankActor(Actor):
         if self.hook is not None:
             self.hook(step=step, rank=self.rank, cfg=run.cfg, engine=run.engine)
         record = loop._train_step(run, step, batch)
+        self.taken = step  # its update is applied: _train_step's collectives all come before it
         self.loss = record["loss"]
         guard_nonfinite(run, step, record)
         if t.replica_check_every and step % t.replica_check_every == 0:
@@ -170,6 +186,14 @@ class RankActor(Actor):
             out["summary"] = report.finish(run, loss, val_loss)
         self._close()
         return out
+
+    @endpoint
+    def peer_state(self, full: bool) -> dict:
+        """For a fresh mesh after a failure: this rank's step and RNG state, and with `full` its
+        model and optimizer state (plait.controller.peer). Answered after a failed call too."""
+        if self.run is None:
+            raise RuntimeError(f"rank {self.rank} holds no run")
+        return peer.snapshot(self.run, self.taken, full)
 
     @endpoint
     def close(self) -> None:

@@ -12,6 +12,7 @@ the steps in flight, save a checkpoint of the last one and stop every process of
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import signal
 import sys
@@ -27,6 +28,7 @@ from monarch.config import configure
 from tqdm import tqdm
 
 from plait.comm.ports import free_port
+from plait.controller import peer
 from plait.controller.actor import RankActor
 from plait.controller.island import EvalActor
 from plait.data import DistributedBatchSampler, load_corpus
@@ -96,6 +98,7 @@ class Controller:
         t = cfg.train
         cpu = torch.device("cpu")
         self.peak = None if use_cuda else peak_flops_per_rank(cpu, t.bf16, self.threads, t.peak_tflops)
+        self.peer: list | None = None  # after a failure: each fresh rank's state, from a peer's memory
 
     def run(self) -> int:
         # A failed run's mesh is stopped at once: a rank blocked in a collective with a failed
@@ -110,11 +113,15 @@ class Controller:
                         return self._attempt(stop, restart)
                     except RankFailed as exc:  # the first failure seen, reported once
                         again = restart < limit and not stop.signum
-                        what = (
-                            "a fresh mesh resumes from the newest checkpoint"
-                            if again
-                            else "the job was stopped"
-                        )
+                        if not again:
+                            what = "the job was stopped"
+                        elif self.peer is not None:
+                            what = (
+                                f"a fresh mesh resumes at step {self.peer[0]['taken']} from the "
+                                "memory of its data-parallel peers"
+                            )
+                        else:
+                            what = "a fresh mesh resumes from the newest checkpoint"
                         sys.stderr.write(
                             f"\nplait: rank {exc.rank} failed; {what}. Its error:\n{exc.error}\n"
                         )
@@ -132,6 +139,11 @@ class Controller:
         island = this_host().spawn_procs(per_host={"eval": 1}) if self.cfg.runtime.eval_island else None
         try:
             return self._drive(procs, island, stop, restart)
+        except RankFailed as exc:
+            self.peer = None
+            if restart < self.cfg.train.max_restarts and not stop.signum:
+                self.peer = self._from_peers(exc)  # before the mesh is stopped
+            raise
         finally:
             self._close_writers()  # before a fresh mesh's rank 0 truncates the files on resume
             if island is not None:
@@ -161,7 +173,9 @@ class Controller:
         self._spawn(procs)
         cfg = self.cfg
         args = (cfg.to_dict(), free_port(), self.threads, self.resume, self.peak, restart)
-        setups = _gather(self._each("setup", *args))
+        states = self.peer or [None] * self.world
+        setups = _gather(self._each_rank("setup", [(*args, s) for s in states]))
+        self.peer = None
         first = setups[0]
         self.val_tokens_bytes = first["val_tokens_bytes"]
         _print(first.get("lines", ""))
@@ -171,6 +185,7 @@ class Controller:
             f"up to {cfg.runtime.run_ahead} step(s) in flight"
         )
         self.run_dir, self.start, self.last = Path(first["run_dir"]), first["start"], first["last"]
+        self.positions = {self.start: first["sampler"]}  # the samplers' position after each step
         self.data_rank = [s["data_rank"] for s in setups]
         d, t = cfg.data, cfg.train
         spec = d.tokenizer if d.tokenizer == "bytes" else str(self.run_dir / "tokenizer.json")
@@ -239,6 +254,7 @@ class Controller:
         checkpoint), as futures; nothing here waits for a device."""
         t = self.cfg.train
         batches = {r: s.next_batch() for r, s in self.samplers.items()}
+        self.positions[step] = self.samplers[self.data_rank[0]].state_dict()
         log = step % t.log_every == 0 or step == self.last
         steps = self._each_rank("step", [(step, batches[r], log) for r in self.data_rank])
         evals = None
@@ -272,6 +288,8 @@ class Controller:
         for w, rec in zip(self.writers, records):
             w.write(**rec)
         self.loss, self.done = records[0]["loss"], step
+        for old in [s for s in self.positions if s < step]:  # a survivor is at `step` or later
+            del self.positions[old]
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{self.loss:.3f}", refresh=False)
         if saves is not None and all(_gather(saves)):
@@ -294,6 +312,41 @@ class Controller:
                 f"step {step:>5}/{self.cfg.train.steps} | held-out loss {held['val_loss']:.4f} "
                 f"({bpb:.3f} bits/byte; evaluation island)"
             )
+
+    def _from_peers(self, exc: RankFailed) -> list | None:
+        """Each fresh rank's state, from the memory of the ranks still alive (plait.controller.peer),
+        or None (said why) when the newest checkpoint must do."""
+        why = peer.ineligible(self.cfg)
+        if not why and not isinstance(exc.rank, int):
+            why = f"the failure is the {exc.rank}'s"
+        if not why:
+            answers = self._answers("peer_state", [r for r in range(self.world) if r != exc.rank], False)
+            sources, why = peer.choose(answers, mesh_dims(self.cfg), exc.rank)
+        if not why:
+            taken = next(iter(answers.values()))["taken"]
+            full = self._answers("peer_state", sorted(set(sources.values())), True)
+            if taken not in self.positions:
+                why = f"the data position after step {taken} is not known"
+            elif len(full) < len(set(sources.values())):
+                why = "a surviving rank did not hand over its state"
+        if why:
+            _print(f"plait: no recovery from a peer's memory ({why}): the newest checkpoint is used")
+            return None
+        states = []
+        for r, g in enumerate(peer.groups(mesh_dims(self.cfg))):
+            src = sources[g]
+            own = answers[r]["rng"] if r in answers else None  # a lost rank restarts its RNG
+            states.append({**full[src], "rng": own, "sampler": self.positions[taken], "source": src})
+        return states
+
+    def _answers(self, endpoint: str, ranks: list[int], *args) -> dict[int, dict]:
+        """`endpoint(*args)`'s answer of each of `ranks` that gives one within PEER_TIMEOUT_S."""
+        futures = {r: getattr(self.ranks[r], endpoint).call_one(*args) for r in ranks}
+        deadline, out = time.monotonic() + peer.PEER_TIMEOUT_S, {}
+        for r, f in futures.items():
+            with contextlib.suppress(Exception):  # dead, or still waiting for the dead rank
+                out[r] = f.get(timeout=max(0.001, deadline - time.monotonic()))
+        return out
 
     def _stopped(self, signum: int) -> int:
         """After SIGTERM or Ctrl-C: a checkpoint of the last step taken, then the exit code."""

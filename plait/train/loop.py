@@ -195,11 +195,19 @@ def _save(run: Run, step: int) -> None:
 
 
 def _setup(
-    cfg: Config, mesh: Mesh, resume: bool, peak_flops: float | None, restart: int, stop: StopRequest
+    cfg: Config,
+    mesh: Mesh,
+    resume: bool,
+    peak_flops: float | None,
+    restart: int,
+    stop: StopRequest,
+    from_peer: bool = False,
 ) -> Run:
-    """The run directory, data, model, engine, schedule and (on resume) the checkpoint's state."""
+    """The run directory, data, model, engine, schedule and (on resume) the checkpoint's state.
+    `from_peer`: a fresh rank that will load a peer's state instead (plait.controller.peer):
+    the run directory is this run's, and no checkpoint is read."""
     t, device = cfg.train, mesh.device
-    run_dir, resume = _prepare_run_dir(cfg, mesh, resume, restart)
+    run_dir, resume = _prepare_run_dir(cfg, mesh, resume, restart, from_peer)
     mcfg = model_config(cfg)
     corpus = _load_data(cfg, mesh, run_dir, resume)
     dp = mesh.size(data_axis(mesh))  # data-parallel ranks: dp, or dp x ep
@@ -231,7 +239,7 @@ def _setup(
     # they must for dropout on replicated activations (split ones use apply_tp's own stream)
     torch.manual_seed(t.seed + 1 + mesh.rank(data_axis(mesh)))
 
-    start = _resume_state(run_dir, mesh, engine, scheduler, sampler) if resume else 0
+    start = _resume_state(run_dir, mesh, engine, scheduler, sampler) if resume and not from_peer else 0
     comm.barrier(mesh)
     last = min(t.steps, t.stop_at) if t.stop_at else t.steps
     tokens_per_step = t.global_batch * mcfg.seq_len
@@ -265,11 +273,16 @@ def _setup(
     )
 
 
-def _prepare_run_dir(cfg: Config, mesh: Mesh, resume: bool, restart: int) -> tuple[Path, bool]:
+def _prepare_run_dir(
+    cfg: Config, mesh: Mesh, resume: bool, restart: int, from_peer: bool = False
+) -> tuple[Path, bool]:
     """Rank 0's run directory with this run's config.toml in it, on every rank, and whether the
-    run resumes (a restarted job does when a checkpoint was saved)."""
+    run resumes (a restarted job does when a checkpoint was saved; one restored from a peer's
+    memory continues its run directory)."""
     run_dir = _agreed_run_dir(cfg, mesh)
-    if restart:
+    if from_peer:
+        resume = True
+    elif restart:
         resume = _restarting(run_dir, mesh, restart, cfg.train.max_restarts)
     if mesh.is_rank0:
         if not resume and not restart:

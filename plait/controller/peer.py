@@ -1,0 +1,118 @@
+"""Recovery from a healthy data-parallel peer's memory instead of the disk checkpoint (torchft's
+way), for `plait train --runtime.kind controller --train.max_restarts N`.
+
+When a rank fails, the controller asks the ranks still alive for the step their state is at
+(`taken`: the last step whose update they applied). Under plain data parallelism (ZeRO stage 0)
+the ranks that share a rank's model coordinates (pp, ep, tp) hold the same parameters and
+optimizer state. So for each group of such ranks the controller takes one survivor's state (its
+model and optimizer state dicts, the LR schedule and the guard's count of skipped steps) and
+each survivor's RNG state. It then stops the mesh and spawns a fresh one. Every fresh rank loads
+its group's state from the controller, with the sampler position the controller had after that
+step. No checkpoint is read, and no step that a survivor finished is taken again. A rank whose
+state is lost restarts its RNG from its seed. Without dropout nothing draws from it, so the run
+continues exactly like an uninterrupted one (tested); with dropout that rank's masks differ.
+
+The controller falls back to the newest disk checkpoint, saying why, when:
+- the layout shards the state (ZeRO 1-3), holds per-rank state (compression residuals), or
+  splits the model over pipeline stages or experts (not built);
+- some group has no survivor that answers within PEER_TIMEOUT_S (a rank may still be waiting in
+  a collective for the dead one);
+- the survivors are at different steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+
+from plait.train import report
+from plait.train.checkpoint import _rng_state, _set_rng_state
+from plait.train.config import Config
+
+PEER_TIMEOUT_S = 10.0
+
+
+def ineligible(cfg: Config) -> str | None:
+    """Why a lost rank of this layout cannot be recovered from a peer's memory (None: it can)."""
+    p = cfg.parallel
+    if p.dp < 2:
+        return "dp = 1: no rank holds a copy of another's state"
+    if p.zero_stage > 0:
+        return f"ZeRO stage {p.zero_stage} shards the state over dp: a lost shard has no copy"
+    if cfg.comm.compression != "none":
+        return f"comm.compression = {cfg.comm.compression}: its error-feedback residuals are per rank"
+    if p.pp > 1 or p.ep > 1:
+        return "pipeline stages and experts are not built for it"
+    return None
+
+
+def groups(dims: dict[str, int]) -> list[tuple[int, ...]]:
+    """Each rank's model coordinates (pp, ep, tp), in rank order (the mesh is row-major over
+    `dims`): ranks with equal coordinates hold the same state under plain data parallelism."""
+    names = list(dims)
+    return [
+        tuple(c[names.index(k)] for k in ("pp", "ep", "tp"))
+        for c in itertools.product(*(range(n) for n in dims.values()))
+    ]
+
+
+def snapshot(run, taken: int, full: bool) -> dict:
+    """This rank's step and RNG state and, with `full`, its model and optimizer state (on the
+    CPU): what a fresh rank of its group loads."""
+    out = {"taken": taken, "rng": _rng_state()}
+    if full:
+        engine = run.engine
+        out.update(
+            model={k: v.detach().cpu().clone() for k, v in engine.raw.state_dict().items()},
+            optim=_to_cpu(engine.optimizer.state_dict()),
+            scheduler=run.scheduler.state_dict(),
+            skipped_in_a_row=run.skipped_in_a_row,
+        )
+    return out
+
+
+def _to_cpu(obj):
+    if torch.is_tensor(obj):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return copy.deepcopy(obj)
+
+
+def restore(run, state: dict) -> None:
+    """Load a peer's state into this fresh rank's run (built by the loop's `_setup` without a
+    checkpoint): parameters, optimizer, LR schedule, sampler position, step; this rank's own RNG
+    state where it survived. Metrics written after the step go (they will be written again)."""
+    engine = run.engine
+    engine.raw.load_state_dict(state["model"])
+    engine.optimizer.load_state_dict(state["optim"])  # moves the state to the parameters' device
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.skipped_in_a_row = state["skipped_in_a_row"]
+    run.sampler.load_state_dict(state["sampler"])
+    if state.get("rng") is not None:
+        _set_rng_state(state["rng"])
+    run.start = state["taken"]
+    run.timeline_step = min(run.start + 3, run.last)
+    if run.mesh.is_rank0:
+        report.truncate_metrics(run.run_dir, run.start)
+    report.say(run.mesh, f"recovered at step {run.start} from rank {state['source']}'s memory (a dp peer)")
+
+
+def choose(answers: dict[int, dict], dims: dict[str, int], lost: int) -> tuple[dict | None, str]:
+    """From the survivors' answers (rank -> snapshot without the state), the rank whose full
+    state each group loads: ({group: rank}, "") or (None, why not)."""
+    coords = groups(dims)
+    steps = {a["taken"] for a in answers.values()}
+    if len(steps) > 1:
+        return None, f"the surviving ranks are at different steps ({sorted(steps)})"
+    sources = {}
+    for g in sorted(set(coords)):
+        alive = [r for r, c in enumerate(coords) if c == g and r in answers and r != lost]
+        if not alive:
+            return None, f"no surviving rank holds the state of model coordinates (pp, ep, tp) = {g}"
+        sources[g] = alive[0]
+    return sources, ""
