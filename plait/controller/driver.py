@@ -133,7 +133,8 @@ class Controller:
 
     def _attempt(self, stop: _Stop, restart: int) -> int:
         """One mesh, from spawn to stop; `restart`: how many meshes failed before it (it then
-        resumes from the newest checkpoint, as a restarted SPMD job does: train.max_restarts)."""
+        resumes from its dp peers' memory, `self.peer`, or else from the newest checkpoint, as a
+        restarted SPMD job does: train.max_restarts)."""
         self.writers, self.island, self.evals = [], None, deque()
         procs = this_host().spawn_procs(per_host=mesh_dims(self.cfg))
         island = this_host().spawn_procs(per_host={"eval": 1}) if self.cfg.runtime.eval_island else None
