@@ -42,6 +42,7 @@ TESTS = {
         "tests/test_controller_islands.py::test_the_pieces_are_the_overlaps_of_the_two_islands_shares",
         "tests/test_controller_islands.py::test_a_link_resplits_rows_between_islands_of_2_and_3_ranks",
     ],
+    "plait/controller/peer.py": ["tests/test_controller_peer.py"],
     "plait/planner/stages.py": [
         "tests/test_planner_terms.py",
         "tests/test_planner.py::test_inter_op_dp_equals_brute_force_on_random_cases",
@@ -54,6 +55,7 @@ STANDALONE = {
     "tests/test_gradsync.py",
     "tests/test_nonfinite_guard.py",
     "tests/test_planner_terms.py",
+    "tests/test_controller_peer.py",
     *_CALIBRATED,
 }
 """Test files that need nothing of tests/conftest.py: run with --noconftest, which spares each
