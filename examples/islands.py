@@ -98,7 +98,7 @@ def run(
             losses.append(p.step(batch))
             times.append(time.perf_counter() - t0)
         params = p.state_dict()
-        link_bytes = p.link_bytes()
+        link_bytes, pending = p.link_bytes(), p.pending_sends()
     want_losses, want_params, one_ms = reference(steps, rows, width)
     # a stage's names are the model's own (nn.Sequential slices keep them): stage1.2.weight is 2.weight
     got = {k.split(".", 1)[1]: v for k, v in params.items()}
@@ -108,6 +108,7 @@ def run(
         "dp": dp,
         "transfer": transfer,
         "link_bytes": link_bytes,
+        "pending_sends": pending,
         "losses": losses,
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)),
         "param_err": max(((got[k] - v).norm() / v.norm()).item() for k, v in want_params.items()),

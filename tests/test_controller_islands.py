@@ -81,6 +81,7 @@ def test_direct_links_carry_the_activations_and_the_controller_none(result):
     assert runs[0]["link_bytes"] == [[activations, activations]]
     assert runs[1]["link_bytes"] == [[activations, activations]]
     assert runs[2]["link_bytes"] == [[0, 0]]  # relayed: nothing went over a link
+    assert [run["pending_sends"] for run in runs[:3]] == [0, 0, 0]  # each step awaited its sends
 
 
 def test_a_failing_island_is_named_and_no_process_islive_with(result):
@@ -118,8 +119,9 @@ def test_the_pieces_are_the_overlaps_of_the_two_islands_shares():
 
 
 def _link_ranks(port: int) -> dict:
-    """Ranks 0-1: an island of 2; ranks 2-4: the next island, of 3. A micro-batch of 12 rows goes
-    forward over the link, and 10 x it back."""
+    """Ranks 0-1: an island of 2; ranks 2-4: the next island, of 3. Micro-batches 1 and 2 (12
+    rows each; 2 is 1 + 100) go forward over the link, received in the other order, and 10 x
+    micro-batch 1 back."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -129,13 +131,20 @@ def _link_ranks(port: int) -> dict:
     whole = torch.arange(12 * 3, dtype=torch.float32).reshape(12, 3)
     if first:
         link.send(whole[6 * index : 6 * index + 6], mb=1)
+        link.send(whole[6 * index : 6 * index + 6] + 100, mb=2)
         back = link.recv(1, 6, (3,), torch.float32)
         link.wait()
-        return {"back": back.tolist(), "sent": link.sent_bytes}
+        return {"back": back.tolist(), "sent": link.sent_bytes, "pending": len(link.pending)}
+    second = link.recv(2, 4, (3,), torch.float32)  # the micro-batches are told apart by their tag
     got = link.recv(1, 4, (3,), torch.float32)
     link.send(got * 10, mb=1)
     link.wait()
-    return {"got": got.tolist(), "sent": link.sent_bytes}
+    return {
+        "got": got.tolist(),
+        "second": second.tolist(),
+        "sent": link.sent_bytes,
+        "pending": len(link.pending),
+    }
 
 
 def test_a_link_resplits_rows_between_islands_of_2_and_3_ranks():
@@ -144,7 +153,9 @@ def test_a_link_resplits_rows_between_islands_of_2_and_3_ranks():
     whole = torch.arange(12 * 3, dtype=torch.float32).reshape(12, 3)
     for j in range(3):  # each rank of the island of 3 gets its rows, from one or two senders
         assert out[2 + j]["got"] == whole[4 * j : 4 * j + 4].tolist(), j
+        assert out[2 + j]["second"] == (whole[4 * j : 4 * j + 4] + 100).tolist(), j
         assert out[2 + j]["sent"] == 4 * 3 * 4
     for i in range(2):
         assert out[i]["back"] == (10 * whole[6 * i : 6 * i + 6]).tolist(), i
-        assert out[i]["sent"] == 6 * 3 * 4
+        assert out[i]["sent"] == 2 * 6 * 3 * 4
+    assert all(o["pending"] == 0 for o in out)  # every send awaited

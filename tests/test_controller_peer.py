@@ -5,9 +5,12 @@ with the uninterrupted run's losses bit for bit) is tests/test_controller.py's."
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
-from plait.controller.peer import choose, groups, ineligible
+import pytest
+import torch
+
+from plait.controller.peer import choose, groups, ineligible, restore, snapshot
 from plait.train.config import Config
 
 DP2_TP2 = {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "ep": 1, "tp": 2}
@@ -65,4 +68,135 @@ def _cfg(**parallel) -> Config:
 )
 def test_which_layouts_recover_from_a_peer(layout, why):
     got = ineligible(_cfg(**layout))
-    assert got == why if why is None else got.startswith(why), got
+    if why is None:
+        assert got is None, got
+    else:
+        assert got is not None and got.startswith(why), got
+
+
+class _Sampler:
+    def __init__(self):
+        self.position = None
+
+    def load_state_dict(self, sd):
+        self.position = sd
+
+
+def _run(seed: int, tmp_path):
+    """The parts of a Run that snapshot and restore touch: a small model trained by SGD with
+    momentum under an LR schedule, on no mesh's rank 0."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    engine = SimpleNamespace(raw=model, optimizer=opt)
+    mesh = SimpleNamespace(is_rank0=False)
+    return SimpleNamespace(
+        engine=engine,
+        scheduler=sched,
+        skipped_in_a_row=0,
+        sampler=_Sampler(),
+        mesh=mesh,
+        run_dir=tmp_path,
+        start=0,
+        last=8,
+        timeline_step=3,
+    )
+
+
+def _train(run, steps: int) -> None:
+    for _ in range(steps):
+        run.engine.raw(torch.randn(5, 4)).square().sum().backward()
+        run.engine.optimizer.step()
+        run.engine.optimizer.zero_grad()
+        run.scheduler.step()
+
+
+def test_a_fresh_rank_restored_from_a_snapshot_continues_as_the_peer_would(tmp_path):
+    peer_run = _run(0, tmp_path)
+    _train(peer_run, 3)
+    peer_run.skipped_in_a_row = 2
+    torch.manual_seed(11)
+    state = snapshot(peer_run, taken=3, full=True)
+    assert set(snapshot(peer_run, taken=3, full=False)) == {"taken", "rng"}
+    want_next = torch.rand(3)  # the peer's RNG draws this next
+    want = {k: v.clone() for k, v in peer_run.engine.raw.state_dict().items()}
+    _train(peer_run, 1)  # the snapshot is a copy: the peer going on does not change it
+    state.update(sampler={"position": 5}, source=0)
+
+    fresh = _run(1, tmp_path)  # another initialisation: everything must come from the snapshot
+    restore(fresh, state)
+    for k, v in fresh.engine.raw.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert torch.equal(torch.rand(3), want_next)  # its RNG state, where it survived
+    assert fresh.scheduler.last_epoch == 3 and fresh.skipped_in_a_row == 2
+    assert fresh.sampler.position == {"position": 5}
+    assert (fresh.start, fresh.timeline_step) == (3, 6)
+    # the optimizer state too: one more step from here equals the peer's own next step
+    twin = _run(0, tmp_path)
+    _train(twin, 3)
+    torch.manual_seed(5)
+    _train(twin, 1)
+    torch.manual_seed(5)
+    _train(fresh, 1)
+    for (k, a), b in zip(twin.engine.raw.state_dict().items(), fresh.engine.raw.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_a_lost_ranks_rng_is_left_as_seeded(tmp_path):
+    peer_run = _run(0, tmp_path)
+    state = {**snapshot(peer_run, taken=0, full=True), "rng": None, "sampler": {}, "source": 0}
+    torch.manual_seed(3)
+    want = torch.rand(2)
+    fresh = _run(1, tmp_path)
+    torch.manual_seed(3)  # the fresh rank's own seeding (its setup's)
+    restore(fresh, state)
+    assert torch.equal(torch.rand(2), want)  # restore left it alone
+
+
+def _controller(positions: dict, taken: dict):
+    """A controller of a dp2 x tp2 run whose ranks answer `peer_state` with step `taken[r]`
+    (absent: no answer), and whose samplers were at `positions` after each step."""
+    from plait.controller.driver import Controller
+
+    ctl = Controller.__new__(Controller)
+    ctl.cfg = _cfg(dp=2, tp=2)
+    ctl.world, ctl.positions = 4, positions
+
+    def answers(endpoint, ranks, full):
+        assert endpoint == "peer_state"
+        out = {r: {"taken": taken[r], "rng": f"rng of {r}"} for r in ranks if r in taken}
+        return {r: {**a, "model": f"model of {r}"} if full else a for r, a in out.items()}
+
+    ctl._answers = answers
+    return ctl
+
+
+def test_the_controller_routes_each_fresh_rank_its_groups_state_and_its_own_rng():
+    from plait.controller.driver import RankFailed
+
+    ctl = _controller({4: {"at": 4}, 5: {"at": 5}}, {0: 5, 2: 5, 3: 5})  # rank 1 lost
+    states = ctl._from_peers(RankFailed(1, RuntimeError("killed")))
+    # ranks 0 and 2 hold tp shard 0, ranks 1 and 3 tp shard 1 (tp fastest)
+    assert [s["model"] for s in states] == ["model of 0", "model of 3", "model of 0", "model of 3"]
+    assert [s["source"] for s in states] == [0, 3, 0, 3]
+    assert [s["rng"] for s in states] == ["rng of 0", None, "rng of 2", "rng of 3"]
+    assert all(s["sampler"] == {"at": 5} and s["taken"] == 5 for s in states)
+
+
+@pytest.mark.parametrize(
+    "positions, taken, said",
+    [
+        ({5: {}}, {0: 5, 2: 5}, "no surviving rank holds the state of model coordinates"),
+        ({5: {}, 6: {}}, {0: 5, 2: 6, 3: 5}, "the surviving ranks are at different steps"),
+        ({4: {}}, {0: 5, 2: 5, 3: 5}, "the data position after step 5 is not known"),
+    ],
+)
+def test_the_controller_falls_back_to_the_checkpoint_and_says_why(positions, taken, said, capsys):
+    from plait.controller.driver import RankFailed
+
+    ctl = _controller(positions, taken)
+    assert ctl._from_peers(RankFailed(1, RuntimeError("killed"))) is None
+    out = capsys.readouterr().out
+    assert "plait: no recovery from a peer's memory (" + said in out, out
+    assert "the newest checkpoint is used" in out

@@ -155,9 +155,14 @@ class StageActor(Actor):
         return {k: v.detach().cpu().clone() for k, v in self.module.named_parameters()}
 
     @endpoint
-    def sent_bytes(self) -> dict[str, int]:
-        """The bytes this rank has sent over each of its links."""
-        return {k: link.sent_bytes for k, link in self.links.items()}
+    def traffic(self) -> dict:
+        """The bytes this rank has sent over each of its links, and its sends not yet awaited
+        (none between steps: `step` awaits them)."""
+        links = self.links.items()
+        return {
+            "sent": {k: link.sent_bytes for k, link in links},
+            "pending": sum(len(x.pending) for _, x in links),
+        }
 
     @endpoint
     def close(self) -> None:
@@ -337,13 +342,20 @@ class IslandPipeline:
     def link_bytes(self) -> list[tuple[int, int]]:
         """Per boundary s | s+1, the bytes sent over its link so far: forward (by island s's ranks)
         and back (by island s+1's). Zeros when transfers are relayed by the controller."""
-        sent = [
-            self._collect(s, [r.sent_bytes.call_one() for r in ranks], "sent_bytes")
-            for s, (_, ranks) in enumerate(self.islands)
-        ]
+        sent = [[t["sent"] for t in island] for island in self._traffic()]
         return [
             (sum(d.get("next", 0) for d in sent[s]), sum(d.get("prev", 0) for d in sent[s + 1]))
             for s in range(len(sent) - 1)
+        ]
+
+    def pending_sends(self) -> int:
+        """The sends posted on the links and not yet awaited, over every rank (0 between steps)."""
+        return sum(t["pending"] for island in self._traffic() for t in island)
+
+    def _traffic(self) -> list[list[dict]]:
+        return [
+            self._collect(s, [r.traffic.call_one() for r in ranks], "traffic")
+            for s, (_, ranks) in enumerate(self.islands)
         ]
 
     def _collect(self, s: int, futures: list, call: str) -> list:
