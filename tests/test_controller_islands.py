@@ -32,7 +32,8 @@ from plait.controller.program import RankFailedError
 from islands import main, stage, optimizer, batches
 import functools
 
-out = main(["--runs", "1f1b:2,1", "gpipe:1,2", "1f1b:2,1:controller", "--steps", "6"])
+runs = ["1f1b:2,1", "gpipe:1,2", "1f1b:2,1:controller", "gpipe:1,2:controller"]
+out = main(["--runs", *runs, "--steps", "6"])
 
 def bad_loss(output, targets):
     raise ValueError("planted in the loss")
@@ -60,15 +61,16 @@ def test_islands_of_different_widths_train_like_one_process(result):
     r, tag = result
     assert r.returncode == 0, r.stderr[-3000:]
     runs = json.loads(r.stdout.strip().splitlines()[-1])
-    for run in runs[:3]:
+    for run in runs[:4]:
         what = f"{run['schedule']} dp {run['dp']} {run['transfer']}"
         assert len(run["losses"]) == 6 and run["losses"][-1] < run["losses"][0], what
         assert run["loss_err"] < TOL, (what, run["loss_err"])
         assert run["param_err"] < TOL, (what, run["param_err"])
-    assert [(run["schedule"], run["dp"], run["transfer"]) for run in runs[:3]] == [
+    assert [(run["schedule"], run["dp"], run["transfer"]) for run in runs[:4]] == [
         ("1f1b", [2, 1], "direct"),
         ("gpipe", [1, 2], "direct"),
         ("1f1b", [2, 1], "controller"),
+        ("gpipe", [1, 2], "controller"),
     ]
 
 
@@ -80,8 +82,8 @@ def test_direct_links_carry_the_activations_and_the_controller_none(result):
     activations = 6 * 32 * 32 * 4
     assert runs[0]["link_bytes"] == [[activations, activations]]
     assert runs[1]["link_bytes"] == [[activations, activations]]
-    assert runs[2]["link_bytes"] == [[0, 0]]  # relayed: nothing went over a link
-    assert [run["pending_sends"] for run in runs[:3]] == [0, 0, 0]  # each step awaited its sends
+    assert runs[2]["link_bytes"] == runs[3]["link_bytes"] == [[0, 0]]  # relayed: nothing on a link
+    assert [run["pending_sends"] for run in runs[:4]] == [0, 0, 0, 0]  # each step awaited its sends
 
 
 def test_a_failing_island_is_named_and_no_process_islive_with(result):

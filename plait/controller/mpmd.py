@@ -299,7 +299,8 @@ class IslandPipeline:
             elif self.direct:  # receive over the link: the micro-batch's rows, a row's shape, dtype
                 inp = [(xs[a.mb].shape[0], *outs.pop((s - 1, a.mb)))] * n
             else:
-                inp = [split_batch(outs.pop((s - 1, a.mb)), n, i) for i in range(n)]
+                whole = outs.pop((s - 1, a.mb))
+                inp = [split_batch(whole, n, i) for i in range(n)]
             return [
                 r.forward.call_one(a.mb, inp[i], split_batch(ys[a.mb], n, i) if last else None, self.m)
                 for i, r in enumerate(ranks)
