@@ -92,12 +92,13 @@ def run(
         microbatches=microbatches,
         transfer=transfer,
     ) as p:
-        losses, times = [], []
+        losses, times, cpu = [], [], []
         for batch in batches(steps, rows):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             losses.append(p.step(batch))
             times.append(time.perf_counter() - t0)
-        params = p.state_dict()
+            cpu.append(time.process_time() - c0)  # this program's (the controller's) CPU time
+        params, relayed = p.state_dict(), p.relayed_bytes
         link_bytes, pending = p.link_bytes(), p.pending_sends()
     want_losses, want_params, one_ms = reference(steps, rows, width)
     # a stage's names are the model's own (nn.Sequential slices keep them): stage1.2.weight is 2.weight
@@ -108,6 +109,8 @@ def run(
         "dp": dp,
         "transfer": transfer,
         "link_bytes": link_bytes,
+        "relayed_bytes": relayed,
+        "controller_cpu_ms": statistics.median(cpu[1:]) * 1e3,
         "pending_sends": pending,
         "losses": losses,
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)),

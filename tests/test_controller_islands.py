@@ -83,6 +83,8 @@ def test_direct_links_carry_the_activations_and_the_controller_none(result):
     assert runs[0]["link_bytes"] == [[activations, activations]]
     assert runs[1]["link_bytes"] == [[activations, activations]]
     assert runs[2]["link_bytes"] == runs[3]["link_bytes"] == [[0, 0]]  # relayed: nothing on a link
+    # ... and through the controller instead: each tensor in, then out again
+    assert [run["relayed_bytes"] for run in runs[:4]] == [0, 0, 4 * activations, 4 * activations]
     assert [run["pending_sends"] for run in runs[:4]] == [0, 0, 0, 0]  # each step awaited its sends
 
 

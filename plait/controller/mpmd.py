@@ -205,6 +205,7 @@ class IslandPipeline:
         self.seed, self.m = seed, microbatches
         self.schedule = make_schedule(schedule, len(stages), microbatches)
         self.islands: list = []  # per island: (its ProcMesh, its actors by rank)
+        self.relayed_bytes = 0  # activations and gradients that went through this program
 
     def __enter__(self) -> IslandPipeline:
         _opened()
@@ -269,18 +270,22 @@ class IslandPipeline:
                 if s not in running and queues[s] and self._ready(queues[s][0], outs, grads):
                     a = queues[s].pop(0)
                     running[s] = (a, self._dispatch(s, a, xs, ys, outs, grads, last_bw=not queues[s]))
+            if not running:  # nothing in flight and nothing ready: the schedule cannot go on
+                waiting = [q[0] for q in queues if q]
+                raise RuntimeError(f"islands: the schedule stalled with {waiting} waiting")
             done = self._wait_any(running)
             for s in done:
                 a, futures = running.pop(s)
                 results = self._collect(s, futures, f"{'forward' if a.kind == 'F' else 'backward'} {a.mb}")
                 if a.kind == "F" and s == n - 1:
                     losses += results
-                elif s == 0 and a.kind == "B":
+                elif s == 0 and a.kind != "F":  # the first island's input gradient goes nowhere
                     pass
                 elif self.direct:  # the data went over the link: a forward's output shape, or nothing
                     (outs if a.kind == "F" else grads)[(s, a.mb)] = results[0]
                 else:
-                    (outs if a.kind == "F" else grads)[(s, a.mb)] = torch.cat(results)
+                    whole = (outs if a.kind == "F" else grads)[(s, a.mb)] = torch.cat(results)
+                    self.relayed_bytes += 2 * whole.numel() * whole.element_size()  # in, then out
         for s in range(n):
             self._collect(s, [r.step.call_one() for r in self.islands[s][1]], "step")
         return sum(losses) / len(losses)  # equal rows: the mean of the micro-batch means
