@@ -10,7 +10,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from plait.controller.peer import choose, groups, ineligible, restore, snapshot
+from plait.controller.peer import (
+    PEER_TIMEOUT_S,
+    STATE_TIMEOUT_S,
+    choose,
+    groups,
+    ineligible,
+    restore,
+    snapshot,
+)
+from plait.data_parallel.engine import DataParallelEngine
+from plait.train.checkpoint import _rng_state
 from plait.train.config import Config
 
 DP2_TP2 = {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "ep": 1, "tp": 2}
@@ -89,7 +99,8 @@ def _run(seed: int, tmp_path):
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    engine = SimpleNamespace(raw=model, optimizer=opt)
+    engine = DataParallelEngine.__new__(DataParallelEngine)  # its state, without a mesh
+    engine.raw, engine.optimizer, engine.ddp = model, opt, None
     mesh = SimpleNamespace(is_rank0=False)
     return SimpleNamespace(
         engine=engine,
@@ -117,8 +128,9 @@ def test_a_fresh_rank_restored_from_a_snapshot_continues_as_the_peer_would(tmp_p
     _train(peer_run, 3)
     peer_run.skipped_in_a_row = 2
     torch.manual_seed(11)
-    state = snapshot(peer_run, taken=3, full=True)
-    assert set(snapshot(peer_run, taken=3, full=False)) == {"taken", "rng"}
+    rng = _rng_state()  # the peer's RNG state at the end of step 3, as its actor keeps it
+    state = snapshot(peer_run, taken=3, rng=rng, full=True)
+    assert set(snapshot(peer_run, taken=3, rng=rng, full=False)) == {"taken", "rng"}
     want_next = torch.rand(3)  # the peer's RNG draws this next
     want = {k: v.clone() for k, v in peer_run.engine.raw.state_dict().items()}
     _train(peer_run, 1)  # the snapshot is a copy: the peer going on does not change it
@@ -145,7 +157,7 @@ def test_a_fresh_rank_restored_from_a_snapshot_continues_as_the_peer_would(tmp_p
 
 def test_a_lost_ranks_rng_is_left_as_seeded(tmp_path):
     peer_run = _run(0, tmp_path)
-    state = {**snapshot(peer_run, taken=0, full=True), "rng": None, "sampler": {}, "source": 0}
+    state = {**snapshot(peer_run, taken=0, rng=None, full=True), "sampler": {}, "source": 0}
     torch.manual_seed(3)
     want = torch.rand(2)
     fresh = _run(1, tmp_path)
@@ -154,49 +166,87 @@ def test_a_lost_ranks_rng_is_left_as_seeded(tmp_path):
     assert torch.equal(torch.rand(2), want)  # restore left it alone
 
 
-def _controller(positions: dict, taken: dict):
-    """A controller of a dp2 x tp2 run whose ranks answer `peer_state` with step `taken[r]`
-    (absent: no answer), and whose samplers were at `positions` after each step."""
+def _controller(taken: dict, done: int, tp: int = 2, tmp_path=None, errors=None):
+    """A controller of a dp2 x tp`tp` run that took step `done` last, whose ranks answer
+    `peer_state` with step `taken[r]` (absent: no answer; `errors[r]`: that error instead)."""
     from plait.controller.driver import Controller
 
     ctl = Controller.__new__(Controller)
-    ctl.cfg = _cfg(dp=2, tp=2)
-    ctl.world, ctl.positions = 4, positions
+    ctl.cfg = _cfg(dp=2, tp=tp)
+    ctl.world, ctl.done, ctl.run_dir = 2 * tp, done, tmp_path
+    ctl.positions = {done: {"at": done}}
+    ctl.data_rank = [r // tp for r in range(2 * tp)]  # tp fastest: tp peers share a data rank
 
-    def answers(endpoint, ranks, full):
-        assert endpoint == "peer_state"
+    def answers(ranks, full, timeout_s):
+        assert timeout_s == (STATE_TIMEOUT_S if full else PEER_TIMEOUT_S)
         out = {r: {"taken": taken[r], "rng": f"rng of {r}"} for r in ranks if r in taken}
-        return {r: {**a, "model": f"model of {r}"} if full else a for r, a in out.items()}
+        out = {r: {**a, "model": f"model of {r}"} if full else a for r, a in out.items()}
+        return out, {r: e for r, e in (errors or {}).items() if r in ranks}
 
     ctl._answers = answers
     return ctl
 
 
-def test_the_controller_routes_each_fresh_rank_its_groups_state_and_its_own_rng():
+def test_the_controller_routes_each_fresh_rank_its_groups_state_and_an_rng(tmp_path):
     from plait.controller.driver import RankFailed
 
-    ctl = _controller({4: {"at": 4}, 5: {"at": 5}}, {0: 5, 2: 5, 3: 5})  # rank 1 lost
+    ctl = _controller({0: 5, 2: 5, 3: 5}, done=5, tmp_path=tmp_path)  # rank 1 (dp 0, tp 1) lost
     states = ctl._from_peers(RankFailed(1, RuntimeError("killed")))
     # ranks 0 and 2 hold tp shard 0, ranks 1 and 3 tp shard 1 (tp fastest)
     assert [s["model"] for s in states] == ["model of 0", "model of 3", "model of 0", "model of 3"]
     assert [s["source"] for s in states] == [0, 3, 0, 3]
-    assert [s["rng"] for s in states] == ["rng of 0", None, "rng of 2", "rng of 3"]
+    # each survivor its own; the lost rank its tp peer's (they share a dropout stream)
+    assert [s["rng"] for s in states] == ["rng of 0", "rng of 0", "rng of 2", "rng of 3"]
     assert all(s["sampler"] == {"at": 5} and s["taken"] == 5 for s in states)
 
 
-@pytest.mark.parametrize(
-    "positions, taken, said",
-    [
-        ({5: {}}, {0: 5, 2: 5}, "no surviving rank holds the state of model coordinates"),
-        ({5: {}, 6: {}}, {0: 5, 2: 6, 3: 5}, "the surviving ranks are at different steps"),
-        ({4: {}}, {0: 5, 2: 5, 3: 5}, "the data position after step 5 is not known"),
-    ],
-)
-def test_the_controller_falls_back_to_the_checkpoint_and_says_why(positions, taken, said, capsys):
+def test_a_lost_rank_without_a_peer_of_its_data_rank_restarts_its_rng(tmp_path):
     from plait.controller.driver import RankFailed
 
-    ctl = _controller(positions, taken)
+    ctl = _controller({0: 5}, done=5, tp=1, tmp_path=tmp_path)  # dp2: rank 1 lost
+    states = ctl._from_peers(RankFailed(1, RuntimeError("killed")))
+    assert [s["rng"] for s in states] == ["rng of 0", None]
+    assert [s["model"] for s in states] == ["model of 0", "model of 0"]
+
+
+@pytest.mark.parametrize(
+    "taken, done, errors, said",
+    [
+        ({0: 5, 2: 5}, 5, {}, "no surviving rank holds the state of model coordinates"),
+        ({0: 5, 2: 5}, 5, {3: "ValueError: bad"}, "(0, 0, 1); rank 3: ValueError: bad"),
+        ({0: 5, 2: 6, 3: 5}, 5, {}, "the surviving ranks are at different steps ([5, 6])"),
+        ({0: 6, 2: 6, 3: 6}, 5, {}, "the survivors finished step 6, the controller took step 5 last"),
+        ({0: 5, 2: 5, 3: 5}, -1, {}, "the mesh failed before its first step"),
+    ],
+)
+def test_the_controller_falls_back_to_the_checkpoint_and_says_why(
+    taken, done, errors, said, capsys, tmp_path
+):
+    from plait.controller.driver import RankFailed
+
+    ctl = _controller(taken, done, tmp_path=tmp_path, errors=errors)
     assert ctl._from_peers(RankFailed(1, RuntimeError("killed"))) is None
     out = capsys.readouterr().out
-    assert "plait: no recovery from a peer's memory (" + said in out, out
-    assert "the newest checkpoint is used" in out
+    assert said in out, out
+    assert "plait: no recovery from a peer's memory (" in out and "the newest checkpoint is used" in out
+
+
+def test_a_diverged_run_or_a_failed_eval_island_is_not_recovered_from_peers(capsys, tmp_path):
+    from plait.controller.driver import RankFailed
+    from plait.train.nonfinite import DIVERGED
+
+    ctl = _controller({0: 5, 2: 5, 3: 5}, done=5, tmp_path=tmp_path)
+    assert ctl._from_peers(RankFailed("eval island", RuntimeError("x"))) is None
+    assert "(the evaluation island failed, not a training rank)" in capsys.readouterr().out
+    (tmp_path / DIVERGED).write_text("")
+    assert ctl._from_peers(RankFailed(1, RuntimeError("x"))) is None
+    assert "(training diverged)" in capsys.readouterr().out
+
+
+def test_a_recovery_that_raises_falls_back_instead_of_hiding_the_failure(capsys, tmp_path):
+    from plait.controller.driver import RankFailed
+
+    ctl = _controller({0: 5, 2: 5, 3: 5}, done=5, tmp_path=tmp_path)
+    del ctl.positions  # as if the mesh failed before the controller set anything up
+    assert ctl._from_peers(RankFailed(1, RuntimeError("x"))) is None
+    assert "(AttributeError: " in capsys.readouterr().out

@@ -22,6 +22,7 @@ from monarch.actor import Actor, current_rank, endpoint
 from plait.comm.spawn import rank_env
 from plait.controller import peer
 from plait.train import loop, report
+from plait.train.checkpoint import _rng_state
 from plait.train.config import config_from_dict
 from plait.train.nonfinite import guard_nonfinite
 from plait.train.preempt import StopRequest
@@ -68,6 +69,7 @@ class RankActor(Actor):
         self.loss = float("nan")
         self.failed = ""
         self.taken = 0  # the last step whose update this rank applied (plait.controller.peer)
+        self.rng = None  # this rank's RNG state when that step ended
 
     @endpoint
     @_fails_once
@@ -79,10 +81,10 @@ class RankActor(Actor):
         resume: bool,
         peak: float | None,
         restart: int,
-        peer_state: dict | None = None,
+        recovered: dict | None = None,
     ) -> dict:
         """Join the process group and build the run (`restart` > 0: a fresh mesh after a failed
-        one, resuming from the newest checkpoint as plait.train.loop does, or, with `peer_state`,
+        one, resuming from the newest checkpoint as plait.train.loop does, or, with `recovered`,
         from a data-parallel peer's memory: plait.controller.peer); returns this rank's place in
         the batch (its data rank and their number), the sampler's position and rank 0's
         start-up lines."""
@@ -94,13 +96,12 @@ class RankActor(Actor):
         mesh = loop.make_mesh(cfg)
         out: dict = {}
         with _captured(out):
-            run = self.run = loop._setup(
-                cfg, mesh, resume, peak, restart, StopRequest(), peer_state is not None
-            )
-            if peer_state is not None:
-                peer.restore(run, peer_state)
+            from_peer = recovered is not None
+            run = self.run = loop._setup(cfg, mesh, resume, peak, restart, StopRequest(), from_peer)
+            if recovered is not None:
+                peer.restore(run, recovered)
             report.announce(run)
-        self.taken = run.start
+        self.taken, self.rng = run.start, _rng_state()
         run.metrics.close()  # the controller writes the metrics (an empty append: nothing lost)
         run.engine.module.train()
         self.window = report.Window()
@@ -125,7 +126,8 @@ class RankActor(Actor):
         if self.hook is not None:
             self.hook(step=step, rank=self.rank, cfg=run.cfg, engine=run.engine)
         record = loop._train_step(run, step, batch)
-        self.taken = step  # its update is applied: _train_step's collectives all come before it
+        # its update is applied (_train_step's collectives all come before it), its draws made
+        self.taken, self.rng = step, _rng_state()
         self.loss = record["loss"]
         guard_nonfinite(run, step, record)
         if t.replica_check_every and step % t.replica_check_every == 0:
@@ -193,7 +195,7 @@ class RankActor(Actor):
         model and optimizer state (plait.controller.peer). Answered after a failed call too."""
         if self.run is None:
             raise RuntimeError(f"rank {self.rank} holds no run")
-        return peer.snapshot(self.run, self.taken, full)
+        return peer.snapshot(self.run, self.taken, self.rng, full)
 
     @endpoint
     def close(self) -> None:

@@ -12,7 +12,6 @@ the steps in flight, save a checkpoint of the last one and stop every process of
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import signal
 import sys
@@ -38,6 +37,7 @@ from plait.train.build import micro_batches_per_step
 from plait.train.config import Config, model_config
 from plait.train.launch import INTERRUPTED_EXIT, _threads_per_rank, under_launcher
 from plait.train.metrics import MetricsWriter
+from plait.train.nonfinite import DIVERGED
 from plait.train.peak import peak_flops_per_rank
 from plait.train.preempt import PREEMPTED_EXIT
 from plait.train.preflight import check_before_start, check_run_dir
@@ -136,6 +136,7 @@ class Controller:
         resumes from its dp peers' memory, `self.peer`, or else from the newest checkpoint, as a
         restarted SPMD job does: train.max_restarts)."""
         self.writers, self.island, self.evals = [], None, deque()
+        self.positions, self.done = {}, -1  # nothing taken yet on this mesh (plait.controller.peer)
         procs = this_host().spawn_procs(per_host=mesh_dims(self.cfg))
         island = this_host().spawn_procs(per_host={"eval": 1}) if self.cfg.runtime.eval_island else None
         try:
@@ -174,7 +175,7 @@ class Controller:
         self._spawn(procs)
         cfg = self.cfg
         args = (cfg.to_dict(), free_port(), self.threads, self.resume, self.peak, restart)
-        states = self.peer or [None] * self.world
+        states, self.recovered = self.peer or [None] * self.world, self.peer is not None
         setups = _gather(self._each_rank("setup", [(*args, s) for s in states]))
         self.peer = None
         first = setups[0]
@@ -229,7 +230,8 @@ class Controller:
             mininterval=1.0,
             file=sys.stderr,
         )
-        self.loss, self.val_loss, self.done, self.saved = float("nan"), None, self.start, self.start
+        self.loss, self.val_loss, self.done = float("nan"), None, self.start
+        self.saved = -1 if self.recovered else self.start  # from a peer: no checkpoint of `start`
         pending: deque = deque()
         for step in range(self.start + 1, self.last + 1):
             if stop.signum:
@@ -317,37 +319,59 @@ class Controller:
     def _from_peers(self, exc: RankFailed) -> list | None:
         """Each fresh rank's state, from the memory of the ranks still alive (plait.controller.peer),
         or None (said why) when the newest checkpoint must do."""
-        why = peer.ineligible(self.cfg)
-        if not why and not isinstance(exc.rank, int):
-            why = f"the failure is the {exc.rank}'s"
-        if not why:
-            answers = self._answers("peer_state", [r for r in range(self.world) if r != exc.rank], False)
-            sources, why = peer.choose(answers, mesh_dims(self.cfg), exc.rank)
-        if not why:
-            taken = next(iter(answers.values()))["taken"]
-            full = self._answers("peer_state", sorted(set(sources.values())), True)
-            if taken not in self.positions:
-                why = f"the data position after step {taken} is not known"
-            elif len(full) < len(set(sources.values())):
-                why = "a surviving rank did not hand over its state"
+        try:
+            states, why = self._peer_states(exc)
+        except Exception as err:  # a recovery that cannot be made must not hide the failure
+            states, why = None, f"{type(err).__name__}: {err}"
         if why:
             _print(f"plait: no recovery from a peer's memory ({why}): the newest checkpoint is used")
-            return None
-        states = []
-        for r, g in enumerate(peer.groups(mesh_dims(self.cfg))):
-            src = sources[g]
-            own = answers[r]["rng"] if r in answers else None  # a lost rank restarts its RNG
-            states.append({**full[src], "rng": own, "sampler": self.positions[taken], "source": src})
         return states
 
-    def _answers(self, endpoint: str, ranks: list[int], *args) -> dict[int, dict]:
-        """`endpoint(*args)`'s answer of each of `ranks` that gives one within PEER_TIMEOUT_S."""
-        futures = {r: getattr(self.ranks[r], endpoint).call_one(*args) for r in ranks}
-        deadline, out = time.monotonic() + peer.PEER_TIMEOUT_S, {}
+    def _peer_states(self, exc: RankFailed) -> tuple[list | None, str]:
+        why = peer.ineligible(self.cfg)
+        if not why and not isinstance(exc.rank, int):
+            why = "the evaluation island failed, not a training rank"
+        if not why and self.done < 0:
+            why = "the mesh failed before its first step"
+        if not why and (self.run_dir / DIVERGED).exists():
+            why = "training diverged"
+        if why:
+            return None, why
+        answers, errors = self._answers(
+            [r for r in range(self.world) if r != exc.rank], False, peer.PEER_TIMEOUT_S
+        )
+        sources, why = peer.choose(answers, mesh_dims(self.cfg), exc.rank)
+        if why:
+            return None, why + _errors(errors)
+        taken = next(iter(answers.values()))["taken"]
+        if taken != self.done or taken not in self.positions:  # a step's records not all taken here
+            return None, f"the survivors finished step {taken}, the controller took step {self.done} last"
+        full, errors = self._answers(sorted(set(sources.values())), True, peer.STATE_TIMEOUT_S)
+        if len(full) < len(set(sources.values())):
+            return None, "a surviving rank did not hand over its state" + _errors(errors)
+        states = []
+        for r, g in enumerate(peer.groups(mesh_dims(self.cfg))):
+            # the rank's own RNG state; a lost rank takes a survivor's of its data rank (its tp
+            # peers share its dropout stream), else restarts its own from the seed
+            same = [q for q in answers if self.data_rank[q] == self.data_rank[r]]
+            rng = answers[r]["rng"] if r in answers else answers[same[0]]["rng"] if same else None
+            src = sources[g]
+            states.append({**full[src], "rng": rng, "sampler": self.positions[taken], "source": src})
+        return states, ""
+
+    def _answers(self, ranks: list[int], full: bool, timeout_s: float) -> tuple[dict, dict]:
+        """`peer_state(full)`'s answer of each of `ranks` that gives one within `timeout_s`, and
+        the error of each that raised (dead, or still waiting for the dead rank: none)."""
+        futures = {r: self.ranks[r].peer_state.call_one(full) for r in ranks}
+        deadline, out, errors = time.monotonic() + timeout_s, {}, {}
         for r, f in futures.items():
-            with contextlib.suppress(Exception):  # dead, or still waiting for the dead rank
+            try:
                 out[r] = f.get(timeout=max(0.001, deadline - time.monotonic()))
-        return out
+            except TimeoutError:
+                pass
+            except Exception as err:
+                errors[r] = f"{type(err).__name__}: {str(err).splitlines()[-1] if str(err) else ''}"
+        return out, errors
 
     def _stopped(self, signum: int) -> int:
         """After SIGTERM or Ctrl-C: a checkpoint of the last step taken, then the exit code."""
@@ -363,6 +387,11 @@ class Controller:
             f"{self.run_dir / 'checkpoints'}; continue with: plait train --resume {self.run_dir}"
         )
         return PREEMPTED_EXIT if signum == signal.SIGTERM else INTERRUPTED_EXIT
+
+
+def _errors(errors: dict[int, str]) -> str:
+    """The first ranks' errors, for a line saying why something was not done."""
+    return "".join(f"; rank {r}: {e[:150]}" for r, e in list(errors.items())[:2])
 
 
 def _island(future, timeout: float | None):

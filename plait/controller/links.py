@@ -19,12 +19,25 @@ On GPUs a link still runs over gloo, staging through host memory (an NCCL link i
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 import torch
 import torch.distributed as dist
 
 from plait.comm.ports import LOOPBACK
+
+
+@dataclasses.dataclass(frozen=True)
+class Incoming:
+    """What an island's action receives over a link instead of a tensor from the controller: a
+    forward's input (`rows` of the micro-batch, each of shape `tail`, `dtype`), or, with no
+    fields, a backward's output gradient (shaped as the output the receiver holds)."""
+
+    rows: int = 0
+    tail: tuple = ()
+    dtype: torch.dtype | None = None
+
 
 TIMEOUT_S = 300.0  # a receive waits at most this long for its piece (its send is already posted)
 

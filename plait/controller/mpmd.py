@@ -45,7 +45,7 @@ from plait.comm.ports import free_port, loopback_store
 from plait.comm.spawn import rank_env
 from plait.controller.actor import _fails_once
 from plait.controller.driver import RankFailed, _gather
-from plait.controller.links import Link
+from plait.controller.links import Incoming, Link
 from plait.controller.program import RankFailedError, _closed, _opened
 from plait.data.batch import split_batch
 from plait.data_parallel import DataParallel
@@ -88,6 +88,7 @@ class StageActor(Actor):
         self.loss_fn, self.last = loss_fn, last
         # island s hands back dp_(s-1) / dp_s x its input gradient: the module docstring's scaling
         self.scale = dp[island - 1] / world if island else 1.0
+        self.island = island
         self.saved: dict[int, tuple] = {}
         if store is not None:  # the previous link first on every island: no two wait on each other
             if island > 0:
@@ -99,13 +100,12 @@ class StageActor(Actor):
     @_fails_once
     def forward(self, mb: int, x, y: torch.Tensor | None, m: int):
         """Micro-batch `mb`'s forward on this rank's rows, kept for the backward. `x`: the rows, or
-        (rows of the micro-batch, shape of a row, dtype) to receive them over the previous link.
-        Returns the mean loss of the rows (the last island); else the output, or, sent over the
-        next link, its row shape and dtype."""
-        if isinstance(x, tuple):
-            rows, tail, dtype = x
-            x = self.links["prev"].recv(mb, rows // self.links["prev"].mine, tail, dtype)
-        x = x.to(self.mesh.device).requires_grad_(x.is_floating_point())
+        `Incoming` to receive them over the previous link. Returns the mean loss of the rows (the
+        last island); else the output, or, sent over the next link, its row shape and dtype."""
+        if isinstance(x, Incoming):
+            x = self.links["prev"].recv(mb, x.rows // self.links["prev"].mine, x.tail, x.dtype)
+        # the first island's input gradient would go nowhere: not computed
+        x = x.to(self.mesh.device).requires_grad_(x.is_floating_point() and self.island > 0)
         out = self.model(x)
         if self.last:
             loss = self.loss_fn(out, y.to(self.mesh.device))
@@ -121,11 +121,11 @@ class StageActor(Actor):
     @_fails_once
     def backward(self, mb: int, grad, sync: bool):
         """Micro-batch `mb`'s backward. `grad`: the output's gradient (these rows), None on the last
-        island, or "link" to receive it over the next link; `sync`: the island's last backward of
+        island, or `Incoming()` to receive it over the next link; `sync`: the island's last backward of
         the step, which synchronises the gradients over dp. Returns the input's gradient, scaled
         for the previous island (None when it is sent over the link, or for token inputs)."""
         x, out = self.saved.pop(mb)
-        if isinstance(grad, str):
+        if isinstance(grad, Incoming):
             grad = self.links["next"].recv(mb, out.shape[0], tuple(out.shape[1:]), out.dtype)
         defer = not sync and isinstance(self.model, DataParallel)
         with self.model.no_sync() if defer else contextlib.nullcontext():
@@ -302,7 +302,7 @@ class IslandPipeline:
             if s == 0:
                 inp = [split_batch(xs[a.mb], n, i) for i in range(n)]
             elif self.direct:  # receive over the link: the micro-batch's rows, a row's shape, dtype
-                inp = [(xs[a.mb].shape[0], *outs.pop((s - 1, a.mb)))] * n
+                inp = [Incoming(xs[a.mb].shape[0], *outs.pop((s - 1, a.mb)))] * n
             else:
                 whole = outs.pop((s - 1, a.mb))
                 inp = [split_batch(whole, n, i) for i in range(n)]
@@ -314,7 +314,7 @@ class IslandPipeline:
             return [r.backward.call_one(a.mb, None, last_bw) for r in ranks]
         g = grads.pop((s + 1, a.mb))
         return [
-            r.backward.call_one(a.mb, "link" if self.direct else split_batch(g, n, i), last_bw)
+            r.backward.call_one(a.mb, Incoming() if self.direct else split_batch(g, n, i), last_bw)
             for i, r in enumerate(ranks)
         ]
 

@@ -2,22 +2,31 @@
 way), for `plait train --runtime.kind controller --train.max_restarts N`.
 
 When a rank fails, the controller asks the ranks still alive for the step their state is at
-(`taken`: the last step whose update they applied). Under plain data parallelism (ZeRO stage 0)
-the ranks that share a rank's model coordinates (pp, ep, tp) hold the same parameters and
-optimizer state. So for each group of such ranks the controller takes one survivor's state (its
-model and optimizer state dicts, the LR schedule and the guard's count of skipped steps) and
-each survivor's RNG state. It then stops the mesh and spawns a fresh one. Every fresh rank loads
-its group's state from the controller, with the sampler position the controller had after that
-step. No checkpoint is read, and no step that a survivor finished is taken again. A rank whose
-state is lost restarts its RNG from its seed. Without dropout nothing draws from it, so the run
-continues exactly like an uninterrupted one (tested); with dropout that rank's masks differ.
+(`taken`: the last step whose update they applied) and their RNG state at the end of it. Under
+plain data parallelism (ZeRO stage 0) the ranks that share a rank's model coordinates (pp, ep,
+tp) hold the same parameters and optimizer state. So for each group of such ranks the controller
+takes one survivor's state: its model and optimizer state dicts, the LR schedule and the guard's
+count of skipped steps. It then stops the mesh and spawns a fresh one. Every fresh rank loads its
+group's state from the controller, with the sampler position the controller had after that step.
+No checkpoint is read, and no step the controller had taken is trained again. A survivor keeps
+its own RNG stream. A lost rank takes the stream of a survivor of its data rank (its tp peers
+share its dropout stream), or else restarts its own from the seed. Without dropout nothing draws
+from it, so the run continues exactly like an uninterrupted one (tested); with dropout only such
+a rank's masks differ.
 
 The controller falls back to the newest disk checkpoint, saying why, when:
 - the layout shards the state (ZeRO 1-3), holds per-rank state (compression residuals), or
   splits the model over pipeline stages or experts (not built);
-- some group has no survivor that answers within PEER_TIMEOUT_S (a rank may still be waiting in
-  a collective for the dead one);
-- the survivors are at different steps.
+- the run diverged, or the failure is the evaluation island's;
+- some group has no survivor that answers within PEER_TIMEOUT_S. A survivor answers only once its
+  own failed collective has returned: gloo raises at once when a peer's process dies, but a rank
+  that raised and stayed alive holds its peers until gloo's timeout, and NCCL's watchdog aborts
+  the process instead;
+- the survivors are at different steps, or at a step whose records the controller has not taken
+  (a rank failed after its update, in a replica check or a log line).
+
+The controller holds one copy of each group's state on the CPU and sends it to every rank of the
+group: for a large model, host memory of a few times the model and optimizer state.
 """
 
 from __future__ import annotations
@@ -27,11 +36,13 @@ import itertools
 
 import torch
 
+from plait.data_parallel.engine import DataParallelEngine
 from plait.train import report
-from plait.train.checkpoint import _rng_state, _set_rng_state
+from plait.train.checkpoint import _residuals, _set_rng_state
 from plait.train.config import Config
 
-PEER_TIMEOUT_S = 10.0
+PEER_TIMEOUT_S = 10.0  # for the survivors' steps: a rank still waiting in a collective does not answer
+STATE_TIMEOUT_S = 300.0  # for their model and optimizer state, copied to the CPU and sent here
 
 
 def ineligible(cfg: Config) -> str | None:
@@ -58,12 +69,15 @@ def groups(dims: dict[str, int]) -> list[tuple[int, ...]]:
     ]
 
 
-def snapshot(run, taken: int, full: bool) -> dict:
-    """This rank's step and RNG state and, with `full`, its model and optimizer state (on the
-    CPU): what a fresh rank of its group loads."""
-    out = {"taken": taken, "rng": _rng_state()}
+def snapshot(run, taken: int, rng: torch.Tensor, full: bool) -> dict:
+    """This rank's step and its RNG state at the end of that step and, with `full`, its model
+    and optimizer state (on the CPU): what a fresh rank of its group loads."""
+    out = {"taken": taken, "rng": rng}
     if full:
         engine = run.engine
+        if not isinstance(engine, DataParallelEngine) or _residuals(engine) is not None:
+            what = type(engine).__name__
+            raise RuntimeError(f"{what} holds state that its peers do not have (shards or residuals)")
         out.update(
             model={k: v.detach().cpu().clone() for k, v in engine.raw.state_dict().items()},
             optim=_to_cpu(engine.optimizer.state_dict()),
