@@ -328,3 +328,20 @@ def test_the_root_cause_is_the_earliest_error_any_rank_wrote(tmp_path):
     assert "plait: rank 1 failed after 3.0s; the job was stopped" in text, text
     assert "injected fault on rank 1" in text and "Connection reset" not in text, text
     assert "rank 0: exit code 1" in text, text
+
+
+def test_a_peers_error_file_still_being_written_is_not_read_as_a_report(tmp_path):
+    """A peer's error.json can be empty when the launcher looks (being written, or the disk is
+    full: the offload test's case). It is no report: the agent's own failure is shown."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    first = tmp_path / "attempt_0" / "0" / "error.json"
+    first.parent.mkdir(parents=True)
+    info = {"py_callstack": "Traceback: OffloadError: disk full", "timestamp": "1700000000"}
+    first.write_text(json.dumps({"message": {"message": "OffloadError: disk full", "extraInfo": info}}))
+    empty = tmp_path / "attempt_0" / "1" / "error.json"
+    empty.parent.mkdir(parents=True)
+    empty.write_text("")
+    exc = types.SimpleNamespace(failures={0: ProcessFailure(0, 123, 1, str(first))})
+    text = format_child_failure(exc, 2.0)
+    assert "plait: rank 0 failed after 2.0s" in text and "disk full" in text, text

@@ -333,7 +333,10 @@ def _with_reports_on_disk(failures: dict) -> dict:
         for path in Path(failure.error_file).parent.parent.glob("*/error.json"):
             rank = int(path.parent.name) if path.parent.name.isdigit() else None
             if rank is not None and rank not in found:
-                found[rank] = ProcessFailure(rank, 0, _STILL_RUNNING, str(path))
+                try:
+                    found[rank] = ProcessFailure(rank, 0, _STILL_RUNNING, str(path))
+                except (ValueError, OSError):  # still being written, or empty (a full disk)
+                    pass
     return found
 
 
