@@ -172,7 +172,8 @@ def inject_fault(step: int, rank: int, cfg, engine=None) -> None:
     PLAIT_STEP_HOOK=plait.testing:inject_fault and PLAIT_FAIL_AT=RANK:STEP[:MODE], and at that
     step that rank raises (no MODE), hangs (`hang`: the others then wait for it in a
     collective), finds its disk full (`enospc`: every disk-offload and checkpoint write from then on fails),
-    dies at once (`kill`: SIGKILL, no traceback, no cleanup), sends SIGTERM to the launcher
+    dies at once (`kill`: SIGKILL, no traceback, no cleanup) or a second into the step
+    (`killlate`: its previous step's results have surely left it), sends SIGTERM to the launcher
     that started it (`sigterm`: a scheduler's pre-emption), or changes one value of its first
     parameter (`perturb`: silent corruption of one replica), or sees for this step only a
     non-finite loss (`nanloss`: its own loss sum is NaN, as an overflow in its forward gives) or
@@ -196,6 +197,9 @@ def _fault(mode: str, step: int, rank: int, cfg, engine) -> None:
     elif mode == "enospc":
         _fill_disk()
     elif mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "killlate":  # its peers are waiting for it in the step by then
+        time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
     elif mode == "sigterm":
         os.kill(int(os.environ.get("PLAIT_LAUNCHER_PID", os.getppid())), signal.SIGTERM)
