@@ -23,7 +23,8 @@ The controller falls back to the newest disk checkpoint, saying why, when:
   that raised and stayed alive holds its peers until gloo's timeout, and NCCL's watchdog aborts
   the process instead;
 - the survivors are at different steps, or at a step whose records the controller has not taken
-  (a rank failed after its update, in a replica check or a log line).
+  (a rank failed after its update, in a replica check or a log line; or a rank killed at the very
+  start of a step took its previous step's result with it).
 
 The controller holds one copy of each group's state on the CPU and sends it to every rank of the
 group: for a large model, host memory of a few times the model and optimizer state.
