@@ -21,6 +21,7 @@ from conftest import live_with, run_python
 from plait.comm.ports import loopback_store
 from plait.controller.links import Link, pieces
 from plait.errors import ConfigError
+from plait.mesh import Mesh
 from plait.testing import run_ranks
 
 TOL = 1e-5
@@ -131,7 +132,7 @@ def _link_ranks(port: int) -> dict:
     rank = dist.get_rank()
     first = rank < 2
     index = rank if first else rank - 2
-    link = Link(port, 0, (2, 3), first, index)
+    link = Link(Mesh(dp=5, watchdog=False), port, 0, (2, 3), first, index)
     whole = torch.arange(12 * 3, dtype=torch.float32).reshape(12, 3)
     if first:
         link.send(whole[6 * index : 6 * index + 6], mb=1)

@@ -16,6 +16,7 @@ from plait.controller.peer import (
     choose,
     groups,
     ineligible,
+    recover,
     restore,
     snapshot,
 )
@@ -166,32 +167,26 @@ def test_a_lost_ranks_rng_is_left_as_seeded(tmp_path):
     assert torch.equal(torch.rand(2), want)  # restore left it alone
 
 
-def _controller(taken: dict, done: int, tp: int = 2, tmp_path=None, errors=None):
-    """A controller of a dp2 x tp`tp` run that took step `done` last, whose ranks answer
-    `peer_state` with step `taken[r]` (absent: no answer; `errors[r]`: that error instead)."""
-    from plait.controller.driver import Controller
+def _recover(taken: dict, done: int, tmp_path, tp: int = 2, errors=None, lost=1, position=None):
+    """peer.recover after rank `lost` of a dp2 x tp`tp` run failed, the controller having taken
+    step `done` last; the survivors answer with step `taken[r]` (absent: no answer; `errors[r]`:
+    that error instead)."""
+    dims = {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "ep": 1, "tp": tp}
+    data_rank = [r // tp for r in range(2 * tp)]  # tp fastest: tp peers share a data rank
 
-    ctl = Controller.__new__(Controller)
-    ctl.cfg = _cfg(dp=2, tp=tp)
-    ctl.world, ctl.done, ctl.run_dir = 2 * tp, done, tmp_path
-    ctl.positions = {done: {"at": done}}
-    ctl.data_rank = [r // tp for r in range(2 * tp)]  # tp fastest: tp peers share a data rank
-
-    def answers(ranks, full, timeout_s):
+    def ask(ranks, full, timeout_s):
         assert timeout_s == (STATE_TIMEOUT_S if full else PEER_TIMEOUT_S)
         out = {r: {"taken": taken[r], "rng": f"rng of {r}"} for r in ranks if r in taken}
         out = {r: {**a, "model": f"model of {r}"} if full else a for r, a in out.items()}
         return out, {r: e for r, e in (errors or {}).items() if r in ranks}
 
-    ctl._answers = answers
-    return ctl
+    at = {"at": done} if position is None else position
+    return recover(_cfg(dp=2, tp=tp), dims, lost, done, at, data_rank, tmp_path, ask)
 
 
 def test_the_controller_routes_each_fresh_rank_its_groups_state_and_an_rng(tmp_path):
-    from plait.controller.driver import RankFailed
-
-    ctl = _controller({0: 5, 2: 5, 3: 5}, done=5, tmp_path=tmp_path)  # rank 1 (dp 0, tp 1) lost
-    states = ctl._from_peers(RankFailed(1, RuntimeError("killed")))
+    states, why = _recover({0: 5, 2: 5, 3: 5}, done=5, tmp_path=tmp_path)  # rank 1 (dp 0, tp 1) lost
+    assert why == ""
     # ranks 0 and 2 hold tp shard 0, ranks 1 and 3 tp shard 1 (tp fastest)
     assert [s["model"] for s in states] == ["model of 0", "model of 3", "model of 0", "model of 3"]
     assert [s["source"] for s in states] == [0, 3, 0, 3]
@@ -201,10 +196,7 @@ def test_the_controller_routes_each_fresh_rank_its_groups_state_and_an_rng(tmp_p
 
 
 def test_a_lost_rank_without_a_peer_of_its_data_rank_restarts_its_rng(tmp_path):
-    from plait.controller.driver import RankFailed
-
-    ctl = _controller({0: 5}, done=5, tp=1, tmp_path=tmp_path)  # dp2: rank 1 lost
-    states = ctl._from_peers(RankFailed(1, RuntimeError("killed")))
+    states, _ = _recover({0: 5}, done=5, tp=1, tmp_path=tmp_path)  # dp2: rank 1 lost
     assert [s["rng"] for s in states] == ["rng of 0", None]
     assert [s["model"] for s in states] == ["model of 0", "model of 0"]
 
@@ -219,34 +211,33 @@ def test_a_lost_rank_without_a_peer_of_its_data_rank_restarts_its_rng(tmp_path):
         ({0: 5, 2: 5, 3: 5}, -1, {}, "the mesh failed before its first step"),
     ],
 )
-def test_the_controller_falls_back_to_the_checkpoint_and_says_why(
-    taken, done, errors, said, capsys, tmp_path
-):
-    from plait.controller.driver import RankFailed
-
-    ctl = _controller(taken, done, tmp_path=tmp_path, errors=errors)
-    assert ctl._from_peers(RankFailed(1, RuntimeError("killed"))) is None
-    out = capsys.readouterr().out
-    assert said in out, out
-    assert "plait: no recovery from a peer's memory (" in out and "the newest checkpoint is used" in out
+def test_the_controller_falls_back_to_disk_and_says_why(taken, done, errors, said, tmp_path):
+    states, why = _recover(taken, done, tmp_path=tmp_path, errors=errors)
+    assert states is None and said in why, why
 
 
-def test_a_diverged_run_or_a_failed_eval_island_is_not_recovered_from_peers(capsys, tmp_path):
-    from plait.controller.driver import RankFailed
+def test_a_diverged_run_or_a_failed_eval_island_is_not_recovered_from_peers(tmp_path):
     from plait.train.nonfinite import DIVERGED
 
-    ctl = _controller({0: 5, 2: 5, 3: 5}, done=5, tmp_path=tmp_path)
-    assert ctl._from_peers(RankFailed("eval island", RuntimeError("x"))) is None
-    assert "(the evaluation island failed, not a training rank)" in capsys.readouterr().out
+    assert _recover({0: 5, 2: 5, 3: 5}, 5, tmp_path, lost="eval island") == (
+        None,
+        "the evaluation island failed, not a training rank",
+    )
     (tmp_path / DIVERGED).write_text("")
-    assert ctl._from_peers(RankFailed(1, RuntimeError("x"))) is None
-    assert "(training diverged)" in capsys.readouterr().out
+    assert _recover({0: 5, 2: 5, 3: 5}, 5, tmp_path) == (None, "training diverged")
 
 
-def test_a_recovery_that_raises_falls_back_instead_of_hiding_the_failure(capsys, tmp_path):
-    from plait.controller.driver import RankFailed
+def test_a_recovery_that_raises_falls_back_instead_of_hiding_the_failure(tmp_path):
+    states, why = _recover({0: 5, 2: 5, 3: 5}, 5, None)  # no run directory: a TypeError inside
+    assert states is None and why.startswith("TypeError: "), why
 
-    ctl = _controller({0: 5, 2: 5, 3: 5}, done=5, tmp_path=tmp_path)
-    del ctl.positions  # as if the mesh failed before the controller set anything up
-    assert ctl._from_peers(RankFailed(1, RuntimeError("x"))) is None
-    assert "(AttributeError: " in capsys.readouterr().out
+
+def test_the_controller_prints_why_it_uses_the_checkpoint(capsys):
+    from plait.controller.driver import Controller, RankFailed
+
+    ctl = Controller.__new__(Controller)
+    ctl.cfg, ctl.done, ctl.positions = _cfg(dp=1), 3, {3: {}}
+    assert ctl._from_peers(RankFailed(1, RuntimeError("killed"))) is None
+    out = capsys.readouterr().out
+    assert "plait: no recovery from a peer's memory (dp = 1: no rank holds a copy" in out, out
+    assert "): the newest checkpoint is used" in out

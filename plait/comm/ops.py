@@ -62,10 +62,11 @@ def _issue(
     result,
     peer=None,
     logical_bytes: int | None = None,
+    group=None,
 ) -> Handle:
-    """Launch `launch(group)` asynchronously, record it, and wait unless `async_op`."""
-    group = mesh.group(axis)
-    n = mesh.size(axis)
+    """Launch `launch(group)` asynchronously, record it, and wait unless `async_op`. `group`:
+    a process group outside the mesh (a link between islands), recorded under `axis`."""
+    group, n = (mesh.group(axis), mesh.size(axis)) if group is None else (group, group.size())
     entry = mesh.recorder.start(op, axis, payload, peer=peer)
     try:
         work = launch(group)
@@ -246,6 +247,19 @@ def irecv(tensor: torch.Tensor, mesh: Mesh, axis: str, peer: int) -> Handle:
         tensor,
         peer=peer,
     )
+
+
+def link_isend(tensor: torch.Tensor, mesh: Mesh, axis: str, group, peer: int, tag: int) -> Handle:
+    """Start sending `tensor` to rank `peer` of `group`, a process group of its own outside the
+    mesh (plait.controller.links), recorded in this mesh's ledger and flight recorder as `axis`."""
+    launch = lambda g: g.send([tensor], peer, tag)  # noqa: E731
+    return _issue(mesh, "send", axis, _nbytes(tensor), launch, True, tensor, peer=peer, group=group)
+
+
+def link_irecv(tensor: torch.Tensor, mesh: Mesh, axis: str, group, peer: int, tag: int) -> Handle:
+    """Start receiving into `tensor` from rank `peer` of `group` (as `link_isend`)."""
+    launch = lambda g: g.recv([tensor], peer, tag)  # noqa: E731
+    return _issue(mesh, "recv", axis, _nbytes(tensor), launch, True, tensor, peer=peer, group=group)
 
 
 def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], mesh: Mesh, axis: str) -> list[Handle]:

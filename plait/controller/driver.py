@@ -21,14 +21,14 @@ from pathlib import Path
 
 import monarch.actor
 import torch
-from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # a process died
-from monarch.actor import ActorError, this_host
+from monarch.actor import this_host
 from monarch.config import configure
 from tqdm import tqdm
 
 from plait.comm.ports import free_port
 from plait.controller import peer
 from plait.controller.actor import RankActor
+from plait.controller.futures import RankFailed, gather, island_result, quiet
 from plait.controller.island import EvalActor
 from plait.data import DistributedBatchSampler, load_corpus
 from plait.data.tokenizer import bits_per_byte
@@ -37,7 +37,6 @@ from plait.train.build import micro_batches_per_step
 from plait.train.config import Config, model_config
 from plait.train.launch import INTERRUPTED_EXIT, _threads_per_rank, under_launcher
 from plait.train.metrics import MetricsWriter
-from plait.train.nonfinite import DIVERGED
 from plait.train.peak import peak_flops_per_rank
 from plait.train.preempt import PREEMPTED_EXIT
 from plait.train.preflight import check_before_start, check_run_dir
@@ -105,7 +104,7 @@ class Controller:
         # peer is not waited for (Monarch's defaults: 10 s each)
         configure(stop_actor_timeout="2s", mesh_terminate_timeout="2s", process_exit_timeout="2s")
         limit = self.cfg.train.max_restarts
-        previous, monarch.actor.unhandled_fault_hook = monarch.actor.unhandled_fault_hook, _quiet
+        previous, monarch.actor.unhandled_fault_hook = monarch.actor.unhandled_fault_hook, quiet
         try:
             with _Stop() as stop:
                 for restart in range(limit + 1):
@@ -176,7 +175,7 @@ class Controller:
         cfg = self.cfg
         args = (cfg.to_dict(), free_port(), self.threads, self.resume, self.peak, restart)
         states, self.recovered = self.peer or [None] * self.world, self.peer is not None
-        setups = _gather(self._each_rank("setup", [(*args, s) for s in states]))
+        setups = gather(self._each_rank("setup", [(*args, s) for s in states]))
         self.peer = None
         first = setups[0]
         self.val_tokens_bytes = first["val_tokens_bytes"]
@@ -214,7 +213,7 @@ class Controller:
             for r in range(self.world)
         ]
         if island is not None:
-            _island(ready, None)
+            island_result(ready, None)
             _print("plait: held-out evaluations on an island of their own (1 process), the last in-line")
 
     def _drive(self, procs, island, stop: _Stop, restart: int) -> int:
@@ -248,7 +247,7 @@ class Controller:
             return self._stopped(stop.signum)
         self.bar.close()
         self._close_writers()
-        ends = _gather(self._each("finish", self.loss, self.val_loss))
+        ends = gather(self._each("finish", self.loss, self.val_loss))
         _print(ends[0].get("lines", ""))
         return 0
 
@@ -272,17 +271,17 @@ class Controller:
 
     def _consume(self, step: int, steps: list, evals: list | None, saves: list | None) -> None:
         """Step `step`'s records, in order: log lines, metrics of every rank, the progress bar."""
-        records = _gather(steps)
+        records = gather(steps)
         for r, rec in enumerate(records):
             lines = rec.pop("_lines", "")
             if r == 0:
                 _print(lines)
         if isinstance(evals, tuple):  # the weights of this step: on to the island, not waited for
-            parts = [w for w in _gather(evals[1]) if w is not None]
+            parts = [w for w in gather(evals[1]) if w is not None]
             params = {k: v for part in parts for k, v in part.items()}
             self.evals.append((step, self.island.evaluate.call_one(step, params)))
         elif evals is not None:
-            for rec, held in zip(records, _gather(evals)):
+            for rec, held in zip(records, gather(evals)):
                 if rec is records[0]:
                     _print(held.pop("lines", ""))
                 held.pop("lines", None)
@@ -295,7 +294,7 @@ class Controller:
             del self.positions[old]
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{self.loss:.3f}", refresh=False)
-        if saves is not None and all(_gather(saves)):
+        if saves is not None and all(gather(saves)):
             self.saved = step
         self._island_records(wait=False)
 
@@ -305,7 +304,7 @@ class Controller:
         while self.evals:
             step, future = self.evals[0]
             try:
-                held = _island(future, None if wait else 0.001)
+                held = island_result(future, None if wait else 0.001)
             except TimeoutError:
                 return
             self.evals.popleft()
@@ -319,45 +318,19 @@ class Controller:
     def _from_peers(self, exc: RankFailed) -> list | None:
         """Each fresh rank's state, from the memory of the ranks still alive (plait.controller.peer),
         or None (said why) when the newest checkpoint must do."""
-        try:
-            states, why = self._peer_states(exc)
-        except Exception as err:  # a recovery that cannot be made must not hide the failure
-            states, why = None, f"{type(err).__name__}: {err}"
+        states, why = peer.recover(
+            self.cfg,
+            mesh_dims(self.cfg),
+            exc.rank,
+            self.done,
+            self.positions.get(self.done),
+            getattr(self, "data_rank", []),
+            getattr(self, "run_dir", None),
+            self._answers,
+        )
         if why:
             _print(f"plait: no recovery from a peer's memory ({why}): the newest checkpoint is used")
         return states
-
-    def _peer_states(self, exc: RankFailed) -> tuple[list | None, str]:
-        why = peer.ineligible(self.cfg)
-        if not why and not isinstance(exc.rank, int):
-            why = "the evaluation island failed, not a training rank"
-        if not why and self.done < 0:
-            why = "the mesh failed before its first step"
-        if not why and (self.run_dir / DIVERGED).exists():
-            why = "training diverged"
-        if why:
-            return None, why
-        answers, errors = self._answers(
-            [r for r in range(self.world) if r != exc.rank], False, peer.PEER_TIMEOUT_S
-        )
-        sources, why = peer.choose(answers, mesh_dims(self.cfg), exc.rank)
-        if why:
-            return None, why + _errors(errors)
-        taken = next(iter(answers.values()))["taken"]
-        if taken != self.done or taken not in self.positions:  # a step's records not all taken here
-            return None, f"the survivors finished step {taken}, the controller took step {self.done} last"
-        full, errors = self._answers(sorted(set(sources.values())), True, peer.STATE_TIMEOUT_S)
-        if len(full) < len(set(sources.values())):
-            return None, "a surviving rank did not hand over its state" + _errors(errors)
-        states = []
-        for r, g in enumerate(peer.groups(mesh_dims(self.cfg))):
-            # the rank's own RNG state; a lost rank takes a survivor's of its data rank (its tp
-            # peers share its dropout stream), else restarts its own from the seed
-            same = [q for q in answers if self.data_rank[q] == self.data_rank[r]]
-            rng = answers[r]["rng"] if r in answers else answers[same[0]]["rng"] if same else None
-            src = sources[g]
-            states.append({**full[src], "rng": rng, "sampler": self.positions[taken], "source": src})
-        return states, ""
 
     def _answers(self, ranks: list[int], full: bool, timeout_s: float) -> tuple[dict, dict]:
         """`peer_state(full)`'s answer of each of `ranks` that gives one within `timeout_s`, and
@@ -377,83 +350,16 @@ class Controller:
         """After SIGTERM or Ctrl-C: a checkpoint of the last step taken, then the exit code."""
         if self.done > self.saved:
             state = self.samplers[self.data_rank[0]].state_dict()
-            _gather(self._each("save", self.done, state, True))
+            gather(self._each("save", self.done, state, True))
         self.bar.close()
         self._close_writers()
-        _gather(self._each("close"))
+        gather(self._each("close"))
         name = signal.Signals(signum).name
         _print(
             f"plait: stopped by {name} after step {self.done}; checkpoint saved in "
             f"{self.run_dir / 'checkpoints'}; continue with: plait train --resume {self.run_dir}"
         )
         return PREEMPTED_EXIT if signum == signal.SIGTERM else INTERRUPTED_EXIT
-
-
-def _errors(errors: dict[int, str]) -> str:
-    """The first ranks' errors, for a line saying why something was not done."""
-    return "".join(f"; rank {r}: {e[:150]}" for r, e in list(errors.items())[:2])
-
-
-def _island(future, timeout: float | None):
-    """An island's future's value; its failure is reported as the island's."""
-    try:
-        return future.get(timeout=timeout)
-    except (ActorError, SupervisionError) as exc:
-        raise RankFailed("eval island", exc) from None
-
-
-def _gather(futures: list, wait_s: float = 0.5) -> list:
-    """The results of one call on every rank, in rank order. The first failure is raised as
-    soon as it is back, even while another rank still waits for the failed one in a collective
-    (which would hold it until the watchdog's timeout)."""
-    out, left = [None] * len(futures), list(range(len(futures)))
-    while left:
-        for i in list(left):
-            try:  # the first rank left is waited for; the others are only looked at
-                out[i] = futures[i].get(timeout=wait_s if i == left[0] else 0.001)
-                left.remove(i)
-            except TimeoutError:
-                pass
-            except (ActorError, SupervisionError) as exc:
-                raise _root_cause(futures, left, i, exc) from None
-    return out
-
-
-def _root_cause(futures: list, left: list, i: int, exc: Exception) -> RankFailed:
-    """Rank `i`'s failure or, when it failed in a collective because a peer's process died
-    (kill -9, a crash: "connection closed by peer"), the dead peer's, which reaches the
-    controller as a supervision event a few seconds later (Monarch's health checks: ~7 s here)."""
-    if isinstance(exc, SupervisionError) or not any(s in str(exc) for s in _PEER_GONE):
-        return RankFailed(i, exc)
-    deadline = time.monotonic() + 15.0
-    for j in left:
-        if j == i:
-            continue
-        try:
-            futures[j].get(timeout=max(0.001, deadline - time.monotonic()))
-        except SupervisionError as died:
-            return RankFailed(j, died)
-        except (ActorError, TimeoutError):
-            pass
-    return RankFailed(i, exc)
-
-
-# what a rank's collective raises when its peer is gone (gloo; NCCL's watchdog aborts instead)
-_PEER_GONE = ("by peer", "remote worker", "Connection closed", "Connection reset")
-
-
-class RankFailed(Exception):
-    """A rank's call raised (ActorError: the rank's traceback) or its process died
-    (SupervisionError)."""
-
-    def __init__(self, rank: int | str, error: Exception):
-        super().__init__(f"rank {rank}: {error}")
-        self.rank, self.error = rank, error
-
-
-def _quiet(failure) -> None:
-    """Monarch's hook for a failure no caller observed: the controller observes every one
-    through its futures (_gather) and reports it there."""
 
 
 def _print(text: str) -> None:

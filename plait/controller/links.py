@@ -25,6 +25,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from plait import comm
 from plait.comm.ports import LOOPBACK
 
 
@@ -57,19 +58,27 @@ def pieces(rows: int, src: int, dst: int) -> list[tuple[int, int, int, int]]:
 
 class Link:
     """One rank's end of the link between island s (`first` True: this rank is on island s) and
-    island s + 1, whose widths are `dp` = (dp_s, dp_(s+1))."""
+    island s + 1, whose widths are `dp` = (dp_s, dp_(s+1)). Its sends and receives go through
+    plait.comm, in the island mesh's ledger and flight recorder under the axis `link_next`
+    (island s's end) or `link_prev` (island s+1's)."""
 
-    def __init__(self, port: int, boundary: int, dp: tuple[int, int], first: bool, index: int):
+    def __init__(self, mesh, port: int, boundary: int, dp: tuple[int, int], first: bool, index: int):
         store = dist.TCPStore(LOOPBACK, port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=TIMEOUT_S)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
         rank = index if first else dp[0] + index
         self.group = dist.ProcessGroupGloo(dist.PrefixStore(f"link{boundary}/", store), rank, sum(dp), opts)
+        self.mesh, self.axis = mesh, "link_next" if first else "link_prev"
         self.mine, self.theirs = (dp[0], dp[1]) if first else (dp[1], dp[0])
         self.index, self.offset = index, dp[0] if first else 0  # the other island's first link rank
-        self.pending: list = []  # (work, tensor) of the sends posted this step
-        self.sent_bytes = 0
+        self.pending: list[comm.Handle] = []  # the sends posted this step
+
+    @property
+    def sent_bytes(self) -> int:
+        """The bytes sent over this link so far (the ledger's)."""
+        rows = (self.mesh.ledger.rows(step).get(("send", self.axis)) for step in self.mesh.ledger.steps())
+        return sum(r.payload_bytes for r in rows if r is not None)
 
     def _overlaps(self, local_rows: int) -> list[tuple[int, int, int]]:
         """(j, lo, hi): the other island's rank j shares rows [lo, hi) of this rank's rows."""
@@ -83,9 +92,8 @@ class Link:
     def send(self, t: torch.Tensor, mb: int) -> None:
         """Post the sends of `t` (this rank's rows of micro-batch `mb`) to the ranks that need them."""
         for j, lo, hi in self._overlaps(t.shape[0]):
-            piece = t[lo:hi].detach().contiguous().cpu()
-            self.pending.append((self.group.send([piece], self.offset + j, mb), piece))
-            self.sent_bytes += piece.numel() * piece.element_size()
+            piece = t[lo:hi].detach().contiguous().cpu()  # held by its handle until it is received
+            self.pending.append(comm.link_isend(piece, self.mesh, self.axis, self.group, self.offset + j, mb))
 
     def recv(self, mb: int, local_rows: int, tail: tuple, dtype: torch.dtype) -> torch.Tensor:
         """This rank's `local_rows` rows of micro-batch `mb` (each of shape `tail`), gathered from
@@ -93,12 +101,11 @@ class Link:
         parts = []
         for j, lo, hi in self._overlaps(local_rows):
             piece = torch.empty((hi - lo, *tail), dtype=dtype)
-            self.group.recv([piece], self.offset + j, mb).wait()
-            parts.append(piece)
+            parts.append(comm.link_irecv(piece, self.mesh, self.axis, self.group, self.offset + j, mb).wait())
         return torch.cat(parts)
 
     def wait(self) -> None:
         """Every send posted this step has been received."""
-        for work, _ in self.pending:
-            work.wait()
+        for handle in self.pending:
+            handle.wait()
         self.pending.clear()

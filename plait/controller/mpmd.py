@@ -44,7 +44,7 @@ from monarch.actor import Actor, current_rank, endpoint, this_host
 from plait.comm.ports import free_port, loopback_store
 from plait.comm.spawn import rank_env
 from plait.controller.actor import _fails_once
-from plait.controller.driver import RankFailed, _gather
+from plait.controller.futures import RankFailed, gather
 from plait.controller.links import Incoming, Link
 from plait.controller.program import RankFailedError, _closed, _opened
 from plait.data.batch import split_batch
@@ -92,9 +92,11 @@ class StageActor(Actor):
         self.saved: dict[int, tuple] = {}
         if store is not None:  # the previous link first on every island: no two wait on each other
             if island > 0:
-                self.links["prev"] = Link(store, island - 1, (dp[island - 1], world), False, self.rank)
+                self.links["prev"] = Link(
+                    self.mesh, store, island - 1, (dp[island - 1], world), False, self.rank
+                )
             if not last:
-                self.links["next"] = Link(store, island, (world, dp[island + 1]), True, self.rank)
+                self.links["next"] = Link(self.mesh, store, island, (world, dp[island + 1]), True, self.rank)
 
     @endpoint
     @_fails_once
@@ -366,7 +368,7 @@ class IslandPipeline:
 
     def _collect(self, s: int, futures: list, call: str) -> list:
         try:
-            return _gather(futures)
+            return gather(futures)
         except RankFailed as exc:
             coords = {"island": s, "dp": exc.rank}
             raise RankFailedError(

@@ -41,6 +41,7 @@ from plait.data_parallel.engine import DataParallelEngine
 from plait.train import report
 from plait.train.checkpoint import _residuals, _set_rng_state
 from plait.train.config import Config
+from plait.train.nonfinite import DIVERGED
 
 PEER_TIMEOUT_S = 10.0  # for the survivors' steps: a rank still waiting in a collective does not answer
 STATE_TIMEOUT_S = 300.0  # for their model and optimizer state, copied to the CPU and sent here
@@ -131,3 +132,50 @@ def choose(answers: dict[int, dict], dims: dict[str, int], lost: int) -> tuple[d
             return None, f"no surviving rank holds the state of model coordinates (pp, ep, tp) = {g}"
         sources[g] = alive[0]
     return sources, ""
+
+
+def recover(cfg: Config, dims, lost, done, position, data_rank, run_dir, ask) -> tuple[list | None, str]:
+    """Each fresh rank's state after rank `lost` failed (a rank, or the name of an island), with
+    `done` the last step the controller took the records of and `position` the samplers' position
+    after it; `ask(ranks, full, timeout_s)` -> (answers, errors) asks ranks for `snapshot`.
+    Returns (states, "") or (None, why the newest checkpoint must do)."""
+    try:
+        return _recover(cfg, dims, lost, done, position, data_rank, run_dir, ask)
+    except Exception as err:  # a recovery that cannot be made must not hide the failure
+        return None, f"{type(err).__name__}: {err}"
+
+
+def _recover(cfg, dims, lost, done, position, data_rank, run_dir, ask) -> tuple[list | None, str]:
+    why = ineligible(cfg)
+    if not why and not isinstance(lost, int):
+        why = "the evaluation island failed, not a training rank"
+    if not why and done < 0:
+        why = "the mesh failed before its first step"
+    if not why and (run_dir / DIVERGED).exists():
+        why = "training diverged"
+    if why:
+        return None, why
+    world = len(groups(dims))
+    answers, errors = ask([r for r in range(world) if r != lost], False, PEER_TIMEOUT_S)
+    sources, why = choose(answers, dims, lost)
+    if why:
+        return None, why + _errors(errors)
+    taken = next(iter(answers.values()))["taken"]
+    if taken != done or position is None:  # a step's records not all taken by the controller
+        return None, f"the survivors finished step {taken}, the controller took step {done} last"
+    full, errors = ask(sorted(set(sources.values())), True, STATE_TIMEOUT_S)
+    if len(full) < len(set(sources.values())):
+        return None, "a surviving rank did not hand over its state" + _errors(errors)
+    states = []
+    for r, g in enumerate(groups(dims)):
+        # the rank's own RNG state; a lost rank takes a survivor's of its data rank (its tp peers
+        # share its dropout stream), else restarts its own from the seed
+        same = [q for q in answers if data_rank[q] == data_rank[r]]
+        rng = answers[r]["rng"] if r in answers else answers[same[0]]["rng"] if same else None
+        states.append({**full[sources[g]], "rng": rng, "sampler": position, "source": sources[g]})
+    return states, ""
+
+
+def _errors(errors: dict[int, str]) -> str:
+    """The first ranks' errors, for a line saying why something was not done."""
+    return "".join(f"; rank {r}: {e[:150]}" for r, e in list(errors.items())[:2])

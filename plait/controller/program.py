@@ -41,7 +41,7 @@ from plait.api import parallelize as parallelize_model
 from plait.comm.ports import free_port
 from plait.comm.spawn import rank_env
 from plait.controller.actor import _fails_once
-from plait.controller.driver import RankFailed, _gather, _quiet
+from plait.controller.futures import RankFailed, gather, quiet
 from plait.data.batch import split_batch
 from plait.errors import ConfigError, PlaitError
 from plait.train.launch import _threads_per_rank
@@ -71,7 +71,7 @@ def _opened() -> None:
     Monarch's 10 s defaults), and failures reported by the futures, not Monarch's fault hook."""
     configure(stop_actor_timeout="2s", mesh_terminate_timeout="2s", process_exit_timeout="2s")
     _HOOKS.append(monarch.actor.unhandled_fault_hook)
-    monarch.actor.unhandled_fault_hook = _quiet
+    monarch.actor.unhandled_fault_hook = quiet
 
 
 def _closed() -> None:
@@ -188,7 +188,7 @@ class DriverMesh:
             return
         try:
             if self.places:
-                _gather([r.close.call_one() for r in self.ranks])
+                gather([r.close.call_one() for r in self.ranks])
         except RankFailed:
             pass  # a failed mesh is stopped below all the same
         finally:
@@ -270,7 +270,7 @@ class DriverMesh:
 
     def _collect(self, futures: list, call: str) -> list:
         try:
-            return _gather(futures)
+            return gather(futures)
         except RankFailed as exc:
             coords = self.coords[exc.rank]
             where = ", ".join(f"{k} {v}" for k, v in coords.items())

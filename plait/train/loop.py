@@ -280,8 +280,7 @@ def _prepare_run_dir(
     run resumes (a restarted job does when a checkpoint was saved; one restored from a peer's
     memory continues its run directory)."""
     run_dir = _agreed_run_dir(cfg, mesh)
-    if from_peer:
-        _refuse_diverged(run_dir)
+    if from_peer:  # the controller refused a diverged run before (plait.controller.peer)
         resume = True
     elif restart:
         resume = _restarting(run_dir, mesh, restart, cfg.train.max_restarts)
@@ -333,16 +332,11 @@ def _load_data(cfg: Config, mesh: Mesh, run_dir: Path, resume: bool):
     return corpus if corpus is not None else load("bytes" if spec == "bytes" else str(saved))
 
 
-def _refuse_diverged(run_dir: Path) -> None:
-    """A run that diverged stays stopped: a restart (from a checkpoint or a peer) does not retrain it."""
-    if (run_dir / DIVERGED).exists():
-        raise DivergedError(f"{run_dir} stopped because training diverged; a restart does not retrain it")
-
-
 def _restarting(run_dir: Path, mesh: Mesh, restart: int, limit: int) -> bool:
     """The launcher restarted the job after a rank failed: resume from the newest checkpoint
     (True), or start over when none was saved yet (False). A run that diverged stays stopped."""
-    _refuse_diverged(run_dir)
+    if (run_dir / DIVERGED).exists():
+        raise DivergedError(f"{run_dir} stopped because training diverged; a restart does not retrain it")
     found = None
     with contextlib.suppress(CheckpointError):
         found = latest_checkpoint(run_dir / "checkpoints")
