@@ -167,7 +167,7 @@ def test_a_lost_ranks_rng_is_left_as_seeded(tmp_path):
     assert torch.equal(torch.rand(2), want)  # restore left it alone
 
 
-def _recover(taken: dict, done: int, tmp_path, tp: int = 2, errors=None, lost=1, position=None):
+def _recover(taken: dict, done: int, tmp_path, tp: int = 2, errors=None, lost=1, position=None, withheld=()):
     """peer.recover after rank `lost` of a dp2 x tp`tp` run failed, the controller having taken
     step `done` last; the survivors answer with step `taken[r]` (absent: no answer; `errors[r]`:
     that error instead)."""
@@ -178,6 +178,7 @@ def _recover(taken: dict, done: int, tmp_path, tp: int = 2, errors=None, lost=1,
         assert timeout_s == (STATE_TIMEOUT_S if full else PEER_TIMEOUT_S)
         out = {r: {"taken": taken[r], "rng": f"rng of {r}"} for r in ranks if r in taken}
         out = {r: {**a, "model": f"model of {r}"} if full else a for r, a in out.items()}
+        out = {r: a for r, a in out.items() if not (full and r in withheld)}
         return out, {r: e for r, e in (errors or {}).items() if r in ranks}
 
     at = {"at": done} if position is None else position
@@ -241,3 +242,20 @@ def test_the_controller_prints_why_it_uses_the_checkpoint(capsys):
     out = capsys.readouterr().out
     assert "plait: no recovery from a peer's memory (dp = 1: no rank holds a copy" in out, out
     assert "): the newest checkpoint is used" in out
+
+
+def test_a_survivor_that_withholds_its_state_and_the_first_step(tmp_path):
+    states, why = _recover({0: 5, 2: 5, 3: 5}, 5, tmp_path, withheld=(3,), errors={3: "OSError: no room"})
+    assert states is None and why == "a surviving rank did not hand over its state; rank 3: OSError: no room"
+    states, why = _recover({0: 0, 2: 0, 3: 0}, 0, tmp_path)  # failed in step 1: back to step 0
+    assert why == "" and [s["taken"] for s in states] == [0, 0, 0, 0]
+
+
+def test_a_snapshot_refuses_state_its_peers_do_not_share(tmp_path):
+    run = _run(0, tmp_path)
+    run.engine.residual_buffers = lambda: {"bucket0": torch.zeros(2)}  # compression residuals
+    with pytest.raises(RuntimeError, match="DataParallelEngine holds state that its peers do not have"):
+        snapshot(run, taken=0, rng=None, full=True)
+    run.engine = SimpleNamespace(raw=run.engine.raw, optimizer=run.engine.optimizer)  # not DataParallel
+    with pytest.raises(RuntimeError, match="SimpleNamespace holds state"):
+        snapshot(run, taken=0, rng=None, full=True)
