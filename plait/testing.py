@@ -213,6 +213,25 @@ def _fault(mode: str, step: int, rank: int, cfg, engine) -> None:
         raise RuntimeError(f"injected fault on rank {rank} at step {step} (PLAIT_FAIL_AT)")
 
 
+def slow_checkpoint_write(step: int, rank: int, path) -> None:
+    """A checkpoint writer hook for the failure tests (`plait train` with
+    PLAIT_CHECKPOINT_HOOK=plait.testing:slow_checkpoint_write, train.checkpoint_async true): with
+    PLAIT_SLOW_WRITE=RANK:STEP:SECONDS[,...] (STEP `*`: every checkpoint), that rank's background
+    write of that step's checkpoint starts SECONDS late; with PLAIT_SLOW_WRITE_FLAG=DIR, it first
+    writes DIR/writing-STEP-RANK holding its PID, so a test knows the write is under way."""
+    for one in os.environ.get("PLAIT_SLOW_WRITE", "").split(","):
+        if not one:
+            continue
+        at_rank, at_step, seconds = one.split(":")
+        if int(at_rank) == rank and at_step in ("*", str(step)):
+            if flags := os.environ.get("PLAIT_SLOW_WRITE_FLAG"):
+                flag = os.path.join(flags, f"writing-{step}-{rank}")
+                with open(flag + ".tmp", "w") as fh:
+                    json.dump({"pid": os.getpid(), "path": str(path)}, fh)
+                os.replace(flag + ".tmp", flag)
+            time.sleep(float(seconds))
+
+
 def _poison_once(engine, mode: str) -> None:
     """For the coming step only, this rank's engine reports a NaN loss sum (`nanloss`) or a NaN
     gradient norm before clipping (`nangrad`); the other ranks' values stay finite."""

@@ -12,16 +12,19 @@ The last section holds what the parity tests of plait's tiny GPT share: `tiny_gp
 process they are compared with.
 """
 
+import contextlib
 import functools
 import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -280,6 +283,82 @@ def cut_copy(run: Path, dst: Path, step: int = 4) -> Path:
         lines = path.read_text().splitlines(keepends=True)
         path.write_text("".join(x for x in lines if json.loads(x).get("step", 0) <= step))
     return dst
+
+
+# ==== Runs in a session of their own, signalled as an operator or a scheduler does ==========
+# (`start_train`, `cleaned_up`, `wait_for_step`, `session_pids`, `ranks_of`: the launcher and
+# checkpoint fault tests; the processes of a run are those of its session, a process alive until
+# it is a zombie)
+
+
+def start_train(run: Path, *args, env=None, **popen) -> subprocess.Popen:
+    """`plait train ARGS --train.run_dir RUN` in a session (and process group) of its own."""
+    cmd = [sys.executable, "-m", "plait.cli", "train", *map(str, args), "--train.run_dir", str(run)]
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen(
+        cmd, text=True, start_new_session=True, env={**os.environ, **(env or {})}, **popen
+    )
+
+
+@contextlib.contextmanager
+def cleaned_up(*procs: subprocess.Popen):
+    """Whatever the test finds, no process of these sessions outlives it."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            for pid in session_pids(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        done = metrics(run) if (run / "metrics.jsonl").exists() else {}
+        if done and max(done) >= step:
+            return max(done)
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"{run} did not reach step {step} in {timeout}s")
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+
+
+def session_pids(sid: int) -> list[int]:
+    """The live (not zombie) processes of session `sid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st and int(st[3]) == sid and st[0] not in "ZX":
+                found.append(int(entry))
+    return found
+
+
+def ranks_of(launcher: int) -> list[int]:
+    """The ranks a launcher started: the children of its fork server."""
+    pids = session_pids(launcher)
+    servers = [p for p in pids if int(_stat(p)[1]) == launcher and b"forkserver" in _cmdline(p)]
+    return [p for p in pids if _stat(p) and int(_stat(p)[1]) in servers]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 # ==== Tiny models, data and single-process references of the parity tests ====================

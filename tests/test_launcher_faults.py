@@ -9,7 +9,6 @@ the ranks); a process is alive until it is a zombie (it has then closed its file
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import signal
@@ -18,83 +17,23 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import SGD, TINY, metrics, plait_train
+from conftest import (
+    SGD,
+    TINY,
+    cleaned_up,
+    metrics,
+    plait_train,
+    ranks_of,
+    session_pids,
+    start_train,
+    wait_for_step,
+)
 
 from plait.train.export import completed_steps
 
 # a step of rank 0 lasts at least 0.15 s: the signals below land between checkpoints
 SLOW = {"PLAIT_STEP_HOOK": "plait.testing:slow_hook", "PLAIT_PS_SLOW": "0:0.15"}
 DP2 = (*TINY, *SGD, "--parallel.dp", "2", "--train.log_every", "1")
-
-
-def start(run: Path, *args, env=None, **popen) -> subprocess.Popen:
-    """`plait train ARGS --train.run_dir RUN` in a session (and process group) of its own."""
-    cmd = [sys.executable, "-m", "plait.cli", "train", *map(str, args), "--train.run_dir", str(run)]
-    popen.setdefault("stdout", subprocess.PIPE)
-    popen.setdefault("stderr", subprocess.PIPE)
-    return subprocess.Popen(
-        cmd, text=True, start_new_session=True, env={**os.environ, **(env or {})}, **popen
-    )
-
-
-@contextlib.contextmanager
-def cleaned_up(*procs: subprocess.Popen):
-    """Whatever the test finds, no process of these sessions outlives it."""
-    try:
-        yield
-    finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            for pid in session_pids(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-
-
-def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> int:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        done = metrics(run) if (run / "metrics.jsonl").exists() else {}
-        if done and max(done) >= step:
-            return max(done)
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    raise AssertionError(f"{run} did not reach step {step} in {timeout}s")
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
-
-
-def session_pids(sid: int) -> list[int]:
-    """The live (not zombie) processes of session `sid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            st = _stat(int(entry))
-            if st and int(st[3]) == sid and st[0] not in "ZX":
-                found.append(int(entry))
-    return found
-
-
-def ranks_of(launcher: int) -> list[int]:
-    """The ranks a launcher started: the children of its fork server."""
-    pids = session_pids(launcher)
-    servers = [p for p in pids if int(_stat(p)[1]) == launcher and b"forkserver" in _cmdline(p)]
-    return [p for p in pids if _stat(p) and int(_stat(p)[1]) in servers]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def listening(pids: list[int]) -> list[str]:
@@ -158,7 +97,7 @@ def test_a_killed_launcher_takes_its_ranks_and_holds_the_run_until_they_are_gone
     one of them lives, and `--resume` is refused while the run lives, accepted after. The same run
     shows that every socket it listens on is on loopback (gloo, the agent's and rank 0's stores)."""
     run = tmp_path / "run"
-    proc = start(run, *DP2, "--train.steps", "200", env=SLOW)
+    proc = start_train(run, *DP2, "--train.steps", "200", env=SLOW)
     with cleaned_up(proc):
         wait_for_step(run, 5, proc)  # past the checkpoint of step 4
         pids, ranks = session_pids(proc.pid), ranks_of(proc.pid)
@@ -202,7 +141,7 @@ def test_a_group_sigterm_saves_the_step_reached_with_stdout_closed_and_stderr_a_
     run, log = tmp_path / "run", tmp_path / "stderr.log"
     args = (*DP2, "--train.steps", "200", "--train.checkpoint_every", "5", "--train.progress", "true")
     with open(log, "w") as stderr:
-        proc = start(run, *args, env=SLOW, stderr=stderr)
+        proc = start_train(run, *args, env=SLOW, stderr=stderr)
         with cleaned_up(proc):
             first = proc.stdout.readline()
             proc.stdout.close()  # what `head -1` does after its line
@@ -234,7 +173,8 @@ def test_a_parameter_server_run_listens_on_loopback_only(tmp_path):
         "--train.log_every",
         "1",
     )
-    proc = start(run, *args, env={"PLAIT_STEP_HOOK": "plait.testing:slow_hook", "PLAIT_PS_SLOW": "0:0.1"})
+    slow = {"PLAIT_STEP_HOOK": "plait.testing:slow_hook", "PLAIT_PS_SLOW": "0:0.1"}
+    proc = start_train(run, *args, env=slow)
     with cleaned_up(proc):
         deadline = time.time() + 240
         while not list(run.glob("ps/*")) and time.time() < deadline:

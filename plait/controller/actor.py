@@ -185,6 +185,7 @@ class RankActor(Actor):
         out: dict = {}
         with _captured(out):
             run.engine.finish()
+            loop.finish_saves(run)  # the last checkpoint committed (train.checkpoint_async)
             out["summary"] = report.finish(run, loss, val_loss)
         self._close()
         return out
@@ -205,6 +206,7 @@ class RankActor(Actor):
     def _close(self) -> None:
         if self.run is not None:
             self.run.engine.close()
+            self.run.checkpointer.close()
             self.run.mesh.close()
             self.run = None
         if dist.is_initialized():

@@ -7,9 +7,11 @@ Layout under `<run_dir>/checkpoints/`:
     latest                  the name of the newest complete checkpoint (on resume: the one the
                             resumed run started from, until it saves its own)
 
-A save writes into `step_N.tmp/`, and only when every rank has finished does rank 0 write the
-manifest and rename the directory, then replace `latest` (write-then-rename): a crash at any
-point mid-save leaves the previous checkpoint and `latest` untouched. A load checks the manifest
+A save writes into `step_N.tmp/`, and only when every rank has finished does rank 0 fsync the
+files, write the manifest and rename the directory, then replace `latest` (write-then-rename): a
+crash at any point mid-save leaves the previous checkpoint and `latest` untouched. An
+asynchronous save (`plait.train.checkpointer`) runs the same phases, the writing and the commit
+on a background thread. A load checks the manifest
 before DCP reads anything, so a truncated or corrupted file is reported as such, with its name.
 `choose_checkpoint` picks what `--resume` loads: the one asked for, else `latest`, else (when
 `latest` is missing or damaged) the newest checkpoint that verifies.
@@ -94,8 +96,30 @@ def save_checkpoint(
 ) -> Path:
     """Save everything needed to continue bit for bit; returns the checkpoint directory.
 
-    `engine` is a `plait.zero.wrap` engine (any stage)."""
+    `engine` is a `plait.zero.wrap` engine (any stage). The three phases (`prepare_save`,
+    `write_state`, `commit_save`) are also what the asynchronous checkpointer runs, the last
+    two on its writer thread (`plait.train.checkpointer`)."""
     root = Path(root)
+    state, tmp, final = prepare_save(root, step, mesh, engine, scheduler, sampler)
+    try:
+        write_state(state, tmp)
+    except CheckpointError:
+        with contextlib.suppress(Exception):  # every rank raises (DCP gathers the failures):
+            comm.barrier(mesh)  # once all are here, nothing writes into tmp any more
+        if mesh.is_rank0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial save must not keep holding the space
+        raise
+    comm.barrier(mesh)  # every rank's files are written
+    if mesh.is_rank0:
+        commit_save(root, step, mesh.world_size, keep)
+    comm.barrier(mesh)
+    return final
+
+
+def prepare_save(root: Path, step: int, mesh: Mesh, engine, scheduler, sampler) -> tuple[dict, Path, Path]:
+    """(the state DCP writes, the `.tmp` directory it goes into, the checkpoint's final
+    directory): the engine's pending step finished, the parameters checked finite and an empty
+    `.tmp` made by rank 0 (collectives over the world: every rank calls this)."""
     final = _step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     engine.finish()  # a delayed (ZeRO-Offload DPU) step still in flight is part of this state
@@ -129,30 +153,62 @@ def save_checkpoint(
     }
     if (residuals := _residuals(engine)) is not None:  # per rank, like the RNG state
         state[f"residuals_rank{mesh.global_rank}"] = residuals
+    return state, tmp, final
+
+
+def write_state(state: dict, tmp: Path, group=None) -> None:
+    """This rank's part of `state` into `tmp` (DCP over `group`, default the world; every rank
+    of it calls this); a failure is a CheckpointError saying what failed, the partial directory
+    left for the caller to remove once no rank writes into it."""
+    step = checkpoint_step(tmp.with_suffix(""))
     try:
-        dcp.save(state, checkpoint_id=str(tmp))
+        dcp.save(state, checkpoint_id=str(tmp), process_group=group)
     except (Exception, CheckpointException) as exc:  # DCP raises a BaseException subclass
-        with contextlib.suppress(Exception):  # every rank raises (DCP gathers the failures):
-            comm.barrier(mesh)  # once all are here, nothing writes into tmp any more
-        if mesh.is_rank0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a partial save must not keep holding the space
+        raise save_failed(exc, step, tmp, read_latest(tmp.parent)[0]) from None
+
+
+def commit_save(root: Path, step: int, world_size: int, keep: int) -> Path:
+    """On one rank (0), once every rank's files of `step` are written into its `.tmp`: the
+    manifest (size and SHA-256 of every file, fsynced), the rename of the directory, then the
+    atomic replacement of `latest`, then pruning. A failure removes the `.tmp` and raises a
+    CheckpointError; `latest` then still names the previous checkpoint."""
+    final = _step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    try:  # the manifest and `latest` need space too
+        files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+        _fsync_files(tmp, files)
+        manifest = {"step": step, "world_size": world_size, "files": files}
+        _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(root / LATEST, final.name)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise save_failed(exc, step, tmp, read_latest(root)[0]) from None
-    comm.barrier(mesh)  # every rank's files are written
-    if mesh.is_rank0:
-        try:  # the manifest and `latest` need space too
-            files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
-            manifest = {"step": step, "world_size": mesh.world_size, "files": files}
-            _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _write_atomic(root / LATEST, final.name)
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise save_failed(exc, step, tmp, read_latest(root)[0]) from None
-        _prune(root, keep, step)
-    comm.barrier(mesh)
+    _prune(root, keep, step)
     return final
+
+
+def _fsync_files(path: Path, names) -> None:
+    """The files `names` of `path` on disk, not only in the page cache, before the manifest
+    vouches for them (a power loss after the rename must not leave a named, empty shard)."""
+    for name in names:
+        fd = os.open(path / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    """A rename in `path` on disk (the directory's entry, not only the files)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _all_finite(state: dict, mesh: Mesh) -> bool:

@@ -10,7 +10,6 @@ mean, reduced in float64.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import os
 import time
@@ -29,8 +28,10 @@ from plait.models.source import build_model
 from plait.state import group_options
 from plait.train import report
 from plait.train.build import build_engine, micro_batches_per_step
-from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.train.checkpoint import latest_checkpoint, load_checkpoint
+from plait.train.checkpointer import make_checkpointer
 from plait.train.config import Config, model_config
+from plait.train.hooks import named_hook
 from plait.train.metrics import MetricsWriter
 from plait.train.nonfinite import (
     DIVERGED,
@@ -166,32 +167,48 @@ def _train(
                 engine.finish()  # the final held-out loss is of the final parameters
             val_loss = evaluate(engine, run.val, mesh, mesh.device, t.bf16)
             report.log_held_out(run, step, record, val_loss)
-        run.metrics.write(**record)
+        due = (t.checkpoint_every and step % t.checkpoint_every == 0) or step == run.last
+        try:  # the step's record holds its checkpoint's figures, and is written if the save fails
+            # not while steps are being skipped: the newest checkpoint stays the last good state
+            if due and not run.skipped_in_a_row:
+                record["checkpoint"] = _save(run, step)
+            stop = run.stop.requested(mesh)  # SIGTERM on any rank: every rank stops after this step
+            if stop and "checkpoint" not in record:
+                record["checkpoint"] = _save(run, step)
+        finally:
+            run.metrics.write(**record)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        due = (t.checkpoint_every and step % t.checkpoint_every == 0) or step == run.last
-        # not while steps are being skipped: the newest checkpoint stays the last good state
-        if due and not run.skipped_in_a_row:
-            _save(run, step)
-        if run.stop.requested(mesh):  # SIGTERM on any rank: every rank stops after this step
-            if not due:
-                _save(run, step)
+        if stop:
+            finish_saves(run)  # the save in flight completes (within the grace period) before exit
             bar.close()
             run.metrics.close()
             report.log_preempted(run, step)
             engine.close()
+            run.checkpointer.close()
             raise Preempted(step)
     bar.close()
     run.metrics.close()
     engine.finish()
+    finish_saves(run)
     summary = report.finish(run, loss, val_loss)
     engine.close()
+    run.checkpointer.close()
     return summary
 
 
-def _save(run: Run, step: int) -> None:
+def _save(run: Run, step: int) -> dict:
+    """The checkpoint of `step` (synchronous, or started in the background under
+    train.checkpoint_async); its figures, for the step's metrics record."""
     keep = run.cfg.train.keep_checkpoints
-    save_checkpoint(run.run_dir / "checkpoints", step, run.mesh, run.engine, run.scheduler, run.sampler, keep)
+    root = run.run_dir / "checkpoints"
+    return run.checkpointer.save(root, step, run.engine, run.scheduler, run.sampler, keep)
+
+
+def finish_saves(run: Run) -> None:
+    """Wait until the checkpoint in flight (train.checkpoint_async) is committed: `latest` names
+    it when this returns, or its failure is raised."""
+    run.checkpointer.wait()
 
 
 def _setup(
@@ -270,6 +287,7 @@ def _setup(
         val_tokens_bytes=val_tokens_bytes,
         timeline_step=min(start + 3, last),  # the third step, after warm-up
         stop=stop,
+        checkpointer=make_checkpointer(mesh, t.checkpoint_async, max(1800.0, 2 * cfg.comm.timeout_s)),
     )
 
 
@@ -394,10 +412,4 @@ def step_hook():
     """The function named by PLAIT_STEP_HOOK ("package.module:function"), called as
     `hook(step=, rank=, cfg=, engine=)` at the start of every step, or None: an extension point for
     instrumentation and for the failure tests (plait.testing.inject_fault)."""
-    spec = os.environ.get("PLAIT_STEP_HOOK")
-    if not spec:
-        return None
-    module, _, name = spec.partition(":")
-    if not name:
-        raise ConfigError(f"PLAIT_STEP_HOOK = {spec!r}: expected 'package.module:function'")
-    return getattr(importlib.import_module(module), name)
+    return named_hook("PLAIT_STEP_HOOK")

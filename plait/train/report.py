@@ -268,6 +268,23 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
+def checkpoint_line(ckpt: dict) -> str:
+    """One line on the run's checkpoints (`Checkpointer.summary`), for the end of the run."""
+    how = "asynchronous" if ckpt["async"] else "synchronous"
+    line = (
+        f"checkpoints: {ckpt['saves']} {how} saves, blocking the step {ckpt['blocking_s_median']:.3f} s "
+        f"(median; max {ckpt['blocking_s_max']:.3f} s)"
+    )
+    if ckpt["async"]:
+        write = ckpt["write_s_median"]
+        line += (
+            f", written in the background in {write:.3f} s (median)" if write is not None else ""
+        ) + f", host snapshot {ckpt['host_bytes'] / 2**20:.2f} MiB"
+        if ckpt["waited_s_total"] >= 0.05:
+            line += f", {ckpt['waited_s_total']:.2f} s waited for a previous save in all"
+    return line
+
+
 def finish(run: Run, loss: float, val_loss: float | None) -> dict:
     """The summary (rank 0 writes summary.json and loss.png), a text sample and the last lines."""
     cfg, mesh, raw, corpus, run_dir, step = run.cfg, run.mesh, run.raw, run.corpus, run.run_dir, run.last
@@ -281,6 +298,8 @@ def finish(run: Run, loss: float, val_loss: float | None) -> dict:
         "unigram_entropy_bits": corpus.unigram_entropy_bits(),  # per token
         "model_state_bytes_per_rank": memory,
     }
+    if run.checkpointer is not None:
+        summary["checkpoints"] = run.checkpointer.summary()
     sample = None
     if cfg.train.sample_tokens and step == cfg.train.steps and cfg.parallel.pp > 1:
         say(mesh, "plait: no text sample under pipeline parallelism (each rank holds part of the model)")
@@ -317,6 +336,8 @@ def finish(run: Run, loss: float, val_loss: float | None) -> dict:
         f"model states per rank: parameters {mib['params']:.2f} MiB, gradients {mib['grads']:.2f} MiB, "
         f"optimizer {mib['optimizer']:.2f} MiB (total {mib['total']:.2f} MiB)",
     )
+    if (ckpt := summary.get("checkpoints", {})).get("saves"):
+        say(mesh, checkpoint_line(ckpt))
     if sample is not None:
         summary["sample"] = sample
         say(mesh, "sample:\n" + sample)

@@ -11,6 +11,7 @@ import torch
 from plait.data import DistributedBatchSampler
 from plait.engine import Engine
 from plait.mesh import Mesh
+from plait.train.checkpointer import Checkpointer
 from plait.train.config import Config
 from plait.train.metrics import MetricsWriter
 from plait.train.preempt import StopRequest
@@ -54,3 +55,4 @@ class Run:
     val_tokens_bytes: tuple[int, int] = (1, 1)  # tokens the held-out loss averages over, their bytes
     skipped_in_a_row: int = 0  # consecutive steps skipped for a non-finite loss or gradient norm
     skipped: int = 0  # all steps skipped so far in this invocation
+    checkpointer: Checkpointer | None = None  # how checkpoints are saved (train.checkpoint_async)

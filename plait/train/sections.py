@@ -105,6 +105,11 @@ class TrainConfig:
     eval_batches: int = _f(8, "held-out batches (of global_batch sequences) per evaluation")
     checkpoint_every: int = _f(100, "save a checkpoint every this many steps (0 = only at the end)")
     keep_checkpoints: int = _f(2, "how many recent checkpoints to keep")
+    checkpoint_async: bool = _f(
+        False,
+        "save checkpoints in the background: the step waits only for a copy of the state to host "
+        "memory; `latest` moves once every rank's files are written",
+    )
     stop_at: int = _f(
         0, "stop after this step as if interrupted (0 = run all steps); for tests and pre-emption"
     )
