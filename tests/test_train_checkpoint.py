@@ -1,5 +1,7 @@
 """Checkpoints: round trip, and a crash mid-save leaves the previous checkpoint usable."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +13,7 @@ from plait.errors import CheckpointError
 from plait.mesh import Mesh
 from plait.models import GPT, gpt_config
 from plait.testing import assert_close_params, run_ranks
+from plait.train import checkpointer
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from plait.zero import wrap
 
@@ -48,7 +51,7 @@ def _crash_mid_save(root, stage):
 
     real_save = dcp.save
 
-    def dying_save(state, checkpoint_id):  # writes part of the files, then the machine "dies"
+    def dying_save(state, checkpoint_id, **kw):  # writes part of the files, then the machine "dies"
         with open(f"{checkpoint_id}/__{dist.get_rank()}_0.distcp", "wb") as fh:
             fh.write(b"partial")
         raise OSError("No space left on device")
@@ -82,8 +85,64 @@ def _crash_mid_save(root, stage):
     return True
 
 
+def _async_saves(root, stage):
+    """The asynchronous checkpointer on its own: a save holds the state of its step while
+    training goes on, its host buffers are reused, and a write that fails on one rank fails the
+    save on every rank, `latest` and the previous checkpoint untouched."""
+    mesh = Mesh(dp=2, timeout_s=60)
+    engine, sched, sampler = _state(mesh, 0, stage)
+    saver = checkpointer.AsyncCheckpointer(mesh, 60)
+    _step(engine, sched, sampler)
+    saved, saved_sampler = engine.full_parameters(), sampler.state_dict()
+    saver.hook = lambda **where: time.sleep(0.5)  # the write starts after the next step
+    figures = saver.save(root, 1, engine, sched, sampler, keep=2)
+    saver.hook = None
+    assert figures["async"] and figures["host_bytes"] > 0 and figures["waited_s"] == 0.0
+    buffers = [t.data_ptr() for t in checkpointer._tensors(saver.snapshot._buffers)]
+    _step(engine, sched, sampler)  # while step 1 is written: it must not see this step
+    assert saver.wait() >= 0.0 and saver.pending is None
+    assert latest_checkpoint(root) == root / "step_00000001"
+    assert saver.saves[-1]["write_s"] > 0
+    fresh, sched2, sampler2 = _state(mesh, 99, stage)
+    assert load_checkpoint(latest_checkpoint(root), mesh, fresh, sched2, sampler2) == 1
+    assert_close_params(fresh.full_parameters(), saved, atol=0.0, what="async checkpoint")
+    assert sampler2.state_dict() == saved_sampler
+    saver.save(root, 2, engine, sched, sampler, keep=2)
+    assert [t.data_ptr() for t in checkpointer._tensors(saver.snapshot._buffers)] == buffers
+    saver.wait()
+
+    real = checkpointer.write_state
+
+    def fails_on_rank1(state, tmp, group=None):  # every file written, then rank 1 reports a failure
+        real(state, tmp, group)
+        if dist.get_rank() == 1:
+            raise CheckpointError("planted: rank 1's write failed")
+
+    checkpointer.write_state = fails_on_rank1
+    try:
+        saver.save(root, 3, engine, sched, sampler, keep=2)
+        try:
+            saver.wait()
+            raise AssertionError("the failed asynchronous save did not raise")
+        except CheckpointError as exc:
+            assert "step 3" in str(exc) and "rank 1: planted" in str(exc), str(exc)
+    finally:
+        checkpointer.write_state = real
+    comm.barrier(mesh)
+    assert latest_checkpoint(root) == root / "step_00000002"
+    assert not (root / "step_00000003.tmp").exists() and not (root / "step_00000003").exists()
+    saver.save(root, 4, engine, sched, sampler, keep=2)  # and the next save works
+    saver.wait()
+    assert latest_checkpoint(root) == root / "step_00000004"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000004"]
+    saver.close()
+    mesh.close()
+    return True
+
+
 def _every_stage(root):
-    return {stage: _crash_mid_save(root / f"stage{stage}", stage) for stage in STAGES}
+    crash = {stage: _crash_mid_save(root / f"stage{stage}", stage) for stage in STAGES}
+    return crash, {stage: _async_saves(root / f"async{stage}", stage) for stage in STAGES}
 
 
 @pytest.fixture(scope="module")
@@ -94,4 +153,22 @@ def per_rank(tmp_path_factory):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_crash_mid_save_keeps_the_previous_checkpoint(per_rank, stage):
-    assert all(r[stage] for r in per_rank)
+    assert all(r[0][stage] for r in per_rank)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_async_saves_snapshot_their_step_and_fail_together(per_rank, stage):
+    assert all(r[1][stage] for r in per_rank)
+
+
+def test_the_finite_check_sees_every_non_finite_value_and_no_overflow():
+    from plait.train.checkpoint import _finite
+
+    t = torch.randn(4096)
+    assert _finite(t)
+    for bad in ([float("nan")], [float("inf")], [float("-inf")], [float("inf"), float("-inf")]):
+        u = t.clone()
+        u[7 : 7 + len(bad)] = torch.tensor(bad)
+        assert not _finite(u), bad
+    assert _finite(torch.full((8,), 3e38))  # finite values whose sum overflows are finite
+    assert _finite(torch.zeros(0))

@@ -35,6 +35,7 @@ import statistics
 import threading
 import time
 import uuid
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -186,6 +187,7 @@ class _Save:
     def __init__(self, root: Path, step: int, tmp: Path, staged: dict, keep: int) -> None:
         self.root, self.step, self.tmp, self.staged, self.keep = root, step, tmp, staged, keep
         self.thread: threading.Thread | None = None
+        self.hook = None  # PLAIT_CHECKPOINT_HOOK's function, called before the write
         self.write_s: float | None = None  # until this rank's files are written
         self.done_s: float | None = None  # until the commit (rank 0)
 
@@ -213,6 +215,9 @@ class AsyncCheckpointer(Checkpointer):
         self.store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
         self.snapshot = HostSnapshot()
         self.pending: _Save | None = None
+        # ShardedTensor's deprecation (docs/zero.md), which DCP's planner would also print from
+        # the writer thread: `warnings.catch_warnings` is not thread-safe, so a filter for the run
+        warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
         self.hook = named_hook(WRITE_HOOK)
 
     def save(self, root: Path, step: int, engine, scheduler, sampler, keep: int) -> dict:
@@ -227,9 +232,13 @@ class AsyncCheckpointer(Checkpointer):
             )
         last_write = self.saves[-1].get("write_s") if self.saves else None
         process = _process_figures()  # with no writer running: what the process keeps between saves
+        t1 = time.perf_counter()
         state, tmp, _ = prepare_save(Path(root), step, self.mesh, engine, scheduler, sampler)
+        t2 = time.perf_counter()
         save = _Save(Path(root), step, tmp, self.snapshot.take(state), keep)
+        save.hook = self.hook
         del state
+        t3 = time.perf_counter()
         save.thread = threading.Thread(target=self._write, args=(save,), name=f"plait-ckpt-{step}")
         save.thread.daemon = True  # a failing rank exits at once; its unfinished save never commits
         self.pending = save
@@ -243,7 +252,7 @@ class AsyncCheckpointer(Checkpointer):
             write_s=None,
             host_bytes=self.snapshot.nbytes,
         )
-        figures["previous_write_s"] = last_write
+        figures.update(prepare_s=t2 - t1, snapshot_s=t3 - t2, previous_write_s=last_write)
         return figures
 
     def _key(self, step: int, who: str) -> str:
@@ -254,8 +263,8 @@ class AsyncCheckpointer(Checkpointer):
         for every rank's and the commit, and the verdict in the store."""
         rank, t0 = dist.get_rank(), time.perf_counter()
         try:
-            if self.hook is not None:
-                self.hook(step=save.step, rank=rank, path=save.tmp)
+            if save.hook is not None:
+                save.hook(step=save.step, rank=rank, path=save.tmp)
             write_state(save.staged, save.tmp, self.group)
             status = OK
         except BaseException as exc:  # noqa: BLE001 - any failure is reported, never lost in the thread
