@@ -4,7 +4,14 @@ owner of a run, bad input), tagged `docs`."""
 
 from __future__ import annotations
 
-from faults_spec import COPY, FAULT, LONG, SHOW, SLOW, Probe
+from faults_spec import COPY, FAULT, LONG, SAME, SHOW, SLOW, Probe
+
+# rank 1's background write of step 4 starts this many seconds late (append them), after it wrote
+# ./writing-4-1 (plait.testing.slow_checkpoint_write)
+ASYNC_WRITE = (
+    "PLAIT_CHECKPOINT_HOOK=plait.testing:slow_checkpoint_write PLAIT_SLOW_WRITE_FLAG=$PWD"
+    " PLAIT_SLOW_WRITE=1:4:"
+)
 
 DOCS_PROBES = [
     Probe(
@@ -95,5 +102,29 @@ DOCS_PROBES = [
         line=r"DivergedError: training diverged at step \d+",
         check=f"{SHOW}; test $(latest_step run) -lt $(last_step run)",
         expect="no checkpoint of the non-finite step",
+    ),
+    # ---- asynchronous checkpoints (issue 41): a fault while rank 1's write of step 4 is slowed
+    Probe(
+        "async-write-sigkill",
+        ("docs",),
+        "`kill -9` of the launcher while a background checkpoint write is under way "
+        "(`train.checkpoint_async`, rank 1 writes step 4 late)",
+        f"{ASYNC_WRITE}60 plait train $TINY --train.checkpoint_async true --train.checkpoint_every 2"
+        " --train.run_dir run & wait_file writing-4-1; kill -9 $!; wait $!",
+        rc=(137,),
+        check=f'{SHOW}; test "$(latest_step run)" = 2',
+        expect="`latest` still names step 2: the unfinished checkpoint is never named",
+    ),
+    Probe(
+        "async-write-group-sigterm",
+        ("docs",),
+        "SIGTERM to the process group while a background checkpoint write is under way (3 s late)",
+        f"{ASYNC_WRITE}3 setsid plait train $TINY --train.checkpoint_async true --train.checkpoint_every 2"
+        " --train.steps 60 --train.log_every 1 --train.run_dir run & wait_file writing-4-1;"
+        " kill -TERM -- -$!; wait $!",
+        rc=(143,),
+        line=r"stopped by SIGTERM after step \d+; checkpoint saved",
+        check=f"{SHOW}; {SAME}",
+        expect="the write in flight finishes, and `latest` is the last step trained",
     ),
 ]

@@ -1,5 +1,10 @@
 """Checkpoints: round trip, and a crash mid-save leaves the previous checkpoint usable."""
 
+import contextlib
+import io
+import os
+import statistics
+import threading
 import time
 
 import pytest
@@ -14,7 +19,12 @@ from plait.mesh import Mesh
 from plait.models import GPT, gpt_config
 from plait.testing import assert_close_params, run_ranks
 from plait.train import checkpointer
-from plait.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from plait.train.checkpoint import (
+    _rng_state,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from plait.zero import wrap
 
 STAGES = (0, 3)
@@ -97,17 +107,45 @@ def _async_saves(root, stage):
     saver.hook = lambda **where: time.sleep(0.5)  # the write starts after the next step
     figures = saver.save(root, 1, engine, sched, sampler, keep=2)
     saver.hook = None
-    assert figures["async"] and figures["host_bytes"] > 0 and figures["waited_s"] == 0.0
+    assert figures["async"] is True and figures["waited_s"] == 0.0 and figures["step"] == 1
+    model_sd, optim_sd = engine.checkpoint_state()  # the snapshot is these tensors' bytes, exactly
+    held = sum(t.numel() * t.element_size() for t in checkpointer._tensors({"m": model_sd, "o": optim_sd}))
+    held += _rng_state().numel()  # and the RNG states' bytes
+    assert figures["host_bytes"] == saver.snapshot.nbytes == held, (held, figures)
+    for key in ("blocking_s", "prepare_s", "snapshot_s"):
+        assert 0 < figures[key] < 30, (key, figures)
+    assert figures["prepare_s"] + figures["snapshot_s"] <= figures["blocking_s"]
+    assert figures["previous_write_s"] is None and figures["write_s"] is None
+    _process_figures_match(figures)
     buffers = [t.data_ptr() for t in checkpointer._tensors(saver.snapshot._buffers)]
     _step(engine, sched, sampler)  # while step 1 is written: it must not see this step
-    assert saver.wait() >= 0.0 and saver.pending is None
-    assert latest_checkpoint(root) == root / "step_00000001"
-    assert saver.saves[-1]["write_s"] > 0
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # save 2 waits for the rest of save 1's write
+        second = saver.save(root, 2, engine, sched, sampler, keep=2)
+    assert 0.05 <= second["waited_s"] <= second["blocking_s"] < 30, second
+    waited = "plait: the checkpoint of step 1 was still being written: waited"
+    assert (waited in out.getvalue()) == mesh.is_rank0, out.getvalue()
+    first_write = saver.saves[0]["write_s"]
+    assert 0.5 <= first_write < 30 and second["previous_write_s"] == first_write, saver.saves[0]
+    assert 0.0 <= saver.wait() < 30 and saver.pending is None and saver.wait() == 0.0
+    assert latest_checkpoint(root) == root / "step_00000002"
+    assert 0 < saver.saves[-1]["write_s"] < 30
+    summary = saver.summary()
+    blocking = [figures["blocking_s"], second["blocking_s"]]
+    assert summary == {
+        "saves": 2,
+        "async": True,
+        "blocking_s_median": statistics.median(blocking),
+        "blocking_s_max": max(blocking),
+        "write_s_median": statistics.median([first_write, saver.saves[-1]["write_s"]]),
+        "waited_s_total": second["waited_s"],
+        "host_bytes": figures["host_bytes"],
+    }, summary
     fresh, sched2, sampler2 = _state(mesh, 99, stage)
-    assert load_checkpoint(latest_checkpoint(root), mesh, fresh, sched2, sampler2) == 1
+    assert load_checkpoint(root / "step_00000001", mesh, fresh, sched2, sampler2) == 1
     assert_close_params(fresh.full_parameters(), saved, atol=0.0, what="async checkpoint")
     assert sampler2.state_dict() == saved_sampler
-    saver.save(root, 2, engine, sched, sampler, keep=2)
+    saver.save(root, 2, engine, sched, sampler, keep=2)  # again, into the same buffers
     assert [t.data_ptr() for t in checkpointer._tensors(saver.snapshot._buffers)] == buffers
     saver.wait()
 
@@ -136,8 +174,43 @@ def _async_saves(root, stage):
     assert latest_checkpoint(root) == root / "step_00000004"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000004"]
     saver.close()
+    assert saver.group is None
+
+    # a rank whose write never finishes (it hangs past the checkpointer's timeout): the save is
+    # abandoned on every rank, naming it, and `latest` stays
+    if stage == 0:  # (once: it waits out two timeouts)
+        short = checkpointer.AsyncCheckpointer(mesh, 2)
+        if dist.get_rank() == 1:
+            short.hook = lambda **where: time.sleep(8)  # past rank 0's DCP timeout and its store wait
+        short.save(root, 5, engine, sched, sampler, keep=2)
+        try:
+            short.wait()
+            raise AssertionError("the abandoned save did not raise")
+        except CheckpointError as exc:
+            assert "step 5" in str(exc) and "rank1 never finished writing" in str(exc), str(exc)
+        short.close()
+        comm.barrier(mesh)
+        assert latest_checkpoint(root) == root / "step_00000004" and not (root / "step_00000005").exists()
+
+    sync = checkpointer.Checkpointer(mesh)  # the synchronous one: the same figures, nothing waited
+    done = sync.save(root, 6, engine, sched, sampler, keep=2)
+    assert latest_checkpoint(root) == root / "step_00000006" and sync.wait() == 0.0
+    assert done["async"] is False and done["waited_s"] == 0.0 and done["host_bytes"] == 0
+    assert 0 < done["blocking_s"] == done["write_s"] < 30, done
+    _process_figures_match(done)
+    assert sync.summary()["async"] is False and sync.summary()["saves"] == 1
+    assert checkpointer.Checkpointer(mesh).summary() == {"saves": 0, "async": False}
     mesh.close()
     return True
+
+
+def _process_figures_match(figures):
+    """A save's process figures are this process's (read from /proc/self/status here)."""
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    rss = int(status["VmRSS"].split()[0]) * 1024
+    assert 0.5 * rss < figures["rss_bytes"] < 2 * rss, (figures, rss)
+    assert 3 <= figures["open_files"] <= len(os.listdir("/proc/self/fd")) + 64, figures
+    assert 1 <= figures["threads"] <= threading.active_count() + 2, figures
 
 
 def _every_stage(root):

@@ -33,6 +33,7 @@ _CALIBRATED = [  # the measured-collective path of the cost model (a fake calibr
 TESTS = {
     "plait/gradsync.py": ["tests/test_gradsync_units.py", "tests/test_gradsync.py"],
     "plait/train/nonfinite.py": ["tests/test_nonfinite_guard.py"],
+    "plait/train/checkpointer.py": ["tests/test_train_checkpoint.py"],
     "plait/planner/cost_terms.py": ["tests/test_planner_terms.py", *_CALIBRATED],
     "plait/planner/cost.py": ["tests/test_planner_terms.py", *_CALIBRATED],
     "plait/moe/router.py": ["tests/test_moe.py", "tests/test_moe_reference.py"],

@@ -184,10 +184,10 @@ class Checkpointer:
 class _Save:
     """One asynchronous save in flight."""
 
-    def __init__(self, root: Path, step: int, tmp: Path, staged: dict, keep: int) -> None:
+    def __init__(self, root: Path, step: int, tmp: Path, staged: dict, keep: int, hook) -> None:
         self.root, self.step, self.tmp, self.staged, self.keep = root, step, tmp, staged, keep
+        self.hook = hook  # PLAIT_CHECKPOINT_HOOK's function (or None), called before the write
         self.thread: threading.Thread | None = None
-        self.hook = None  # PLAIT_CHECKPOINT_HOOK's function, called before the write
         self.write_s: float | None = None  # until this rank's files are written
         self.done_s: float | None = None  # until the commit (rank 0)
 
@@ -235,8 +235,7 @@ class AsyncCheckpointer(Checkpointer):
         t1 = time.perf_counter()
         state, tmp, _ = prepare_save(Path(root), step, self.mesh, engine, scheduler, sampler)
         t2 = time.perf_counter()
-        save = _Save(Path(root), step, tmp, self.snapshot.take(state), keep)
-        save.hook = self.hook
+        save = _Save(Path(root), step, tmp, self.snapshot.take(state), keep, self.hook)
         del state
         t3 = time.perf_counter()
         save.thread = threading.Thread(target=self._write, args=(save,), name=f"plait-ckpt-{step}")
