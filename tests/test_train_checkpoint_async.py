@@ -116,7 +116,8 @@ def _wait_for(path: Path, proc, timeout: float = 180) -> Path:
 def _interrupted(base: Path, kind: str) -> dict:
     """A dp 2 asynchronous run whose rank 1 writes its checkpoint of step 4 late, interrupted
     once that write is under way: `kind` "rank" SIGKILLs rank 1, "launcher" SIGKILLs the
-    launcher, "sigterm" sends the launcher SIGTERM (the write then takes 3 s). Then resumed."""
+    launcher, "sigterm" sends the run's process group SIGTERM (the write then takes 3 s). Then
+    resumed."""
     run, flags = base / kind, base / f"{kind}-flags"
     flags.mkdir(parents=True)
     late = "3" if kind == "sigterm" else "120"
@@ -127,8 +128,8 @@ def _interrupted(base: Path, kind: str) -> dict:
         writer = json.loads(_wait_for(flags / "writing-4-1", proc).read_text())["pid"]
         ranks = ranks_of(proc.pid)
         assert writer in ranks, (writer, ranks)
-        if kind == "sigterm":
-            os.kill(proc.pid, signal.SIGTERM)
+        if kind == "sigterm":  # to the whole process group, as Slurm, Kubernetes and systemd do
+            os.killpg(proc.pid, signal.SIGTERM)
         else:
             os.kill(writer if kind == "rank" else proc.pid, signal.SIGKILL)
         proc.wait(timeout=120)
@@ -206,9 +207,10 @@ def test_a_writer_slower_than_the_step_makes_the_next_save_wait_and_leaks_nothin
     assert all(saves[s]["waited_s"] < 5.0 for s in saves if s != 4)
     host = saves[20]["host_bytes"]
     assert host > 15 * 2**20, host  # the snapshot is the model's states (about 20 MiB)
-    # a leak of one snapshot per save would grow 15 x that from save 5 to save 20
-    assert saves[20]["rss_bytes"] - saves[5]["rss_bytes"] < host / 2, (saves[5], saves[20])
-    assert saves[20]["open_files"] == saves[5]["open_files"], (saves[5], saves[20])
-    assert saves[20]["threads"] == saves[5]["threads"], (saves[5], saves[20])
+    # a leak of one snapshot, file or thread per save would grow 15 x that from save 5 to save
+    # 20; the allowance is the allocator's arenas and a transient descriptor or thread
+    assert saves[20]["rss_bytes"] - saves[5]["rss_bytes"] < 2 * host, (saves[5], saves[20])
+    assert saves[20]["open_files"] <= saves[5]["open_files"] + 2, (saves[5], saves[20])
+    assert saves[20]["threads"] <= saves[5]["threads"] + 1, (saves[5], saves[20])
     assert (run / "checkpoints/latest").read_text() == "step_00000020"
     assert completed_steps(run / "checkpoints") == [19, 20]

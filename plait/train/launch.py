@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import multiprocessing.reduction
 import os
 import select
@@ -80,6 +81,7 @@ def _worker(cfg_dict: dict, resume: bool, peak: float | None, env: dict[str, str
     lock's open file (`lock`, a `SharedLock`: held until this rank exits)."""
     os.environ.update(env)  # the launcher runs unlaunched: no rank variables of its own to clash
     launcher = int(os.environ[LAUNCHER_PID_ENV])
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server's ignores it (see above)
     route_sigterm(launcher)  # before any other thread starts: they inherit SIGTERM blocked
     _die_with_launcher(launcher)
     signal.signal(signal.SIGINT, _interrupt_once)
@@ -88,6 +90,21 @@ def _worker(cfg_dict: dict, resume: bool, peak: float | None, env: dict[str, str
         return loop.run(config_from_dict(cfg_dict), resume=resume, peak_flops=peak, restart=_restart_count())
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says it once
         raise SystemExit(INTERRUPTED_EXIT) from None
+
+
+def _start_forkserver_deaf_to_sigterm() -> None:
+    """Start the fork server the ranks come from with SIGTERM ignored (a disposition a child
+    inherits), so that a SIGTERM to the whole process group (Slurm, Kubernetes, systemd) does
+    not kill it. The agent waits for a rank through the fork server's pipe: had it died, the
+    agent would take every rank for exited, the launcher would return at once and its ranks
+    die with it (`_die_with_launcher`) in the middle of the checkpoint SIGTERM asks them for:
+    a save longer than a few hundred milliseconds (a large model, an asynchronous save's write
+    in flight) never finished. Each rank gives SIGTERM back its default first thing (`_worker`)."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _interrupt_once(signum, frame):
@@ -298,6 +315,7 @@ def _launch_config(cfg: Config, world: int, store_port: int | None = None) -> el
     if cfg.model.source.startswith("hf:"):  # seconds of import, paid once in the server
         preload += ["transformers", "plait.models.hf"]
     multiprocessing.set_forkserver_preload(preload)
+    _start_forkserver_deaf_to_sigterm()
     # The agent logs every rank's traceback at ERROR level, and its shutdowns and restarts at
     # WARNING, each module's logger at its own level; plait prints the root cause once.
     for name in list(logging.root.manager.loggerDict):
