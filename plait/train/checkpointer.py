@@ -188,8 +188,7 @@ class _Save:
         self.root, self.step, self.tmp, self.staged, self.keep = root, step, tmp, staged, keep
         self.hook = hook  # PLAIT_CHECKPOINT_HOOK's function (or None), called before the write
         self.thread: threading.Thread | None = None
-        self.write_s: float | None = None  # until this rank's files are written
-        self.done_s: float | None = None  # until the commit (rank 0)
+        self.write_s: float | None = None  # to its files written, its post, and on rank 0 the commit
 
 
 class AsyncCheckpointer(Checkpointer):
@@ -269,11 +268,10 @@ class AsyncCheckpointer(Checkpointer):
         except BaseException as exc:  # noqa: BLE001 - any failure is reported, never lost in the thread
             status = f"rank {rank}: {exc}"
         save.staged = None
-        save.write_s = time.perf_counter() - t0
         self.store.set(self._key(save.step, f"rank{rank}"), status)
         if rank == 0:
             self.store.set(self._key(save.step, "commit"), self._commit(save))
-        save.done_s = time.perf_counter() - t0
+        save.write_s = time.perf_counter() - t0
 
     def _commit(self, save: _Save) -> str:
         """Rank 0: once every rank has posted, commit (or clean up); the verdict."""
@@ -308,7 +306,7 @@ class AsyncCheckpointer(Checkpointer):
         self.store.wait([key], self.timeout)
         verdict = self.store.get(key).decode()
         self.pending = None
-        self.saves[-1]["write_s"] = save.write_s if save.done_s is None else save.done_s
+        self.saves[-1]["write_s"] = save.write_s
         if verdict != OK:
             raise CheckpointError(f"the asynchronous save of step {save.step} failed: {verdict}")
         return time.perf_counter() - t0
