@@ -70,6 +70,19 @@ TINY = [
 SGD = ["--optim.name", "sgd", "--train.grad_clip", "0", "--train.lr", "0.5", "--train.min_lr", "0.05"]
 
 
+# The four layouts whose synchronous `plait train` runs several files share (RunCache keys them
+# by their arguments): test_controller.py (each under the controller too) and
+# test_train_checkpoint_async.py (each with asynchronous checkpoints).
+TP_HEADS = ("--model.n_head", "4")
+PP2 = ("--model.n_layer", "4", "--parallel.dp", "1", "--parallel.pp", "2")
+SHARED_LAYOUTS = {
+    "dp2": TP_HEADS,
+    "dp2-zero3": ("--parallel.zero_stage", "3"),
+    "tp2-sp": (*TP_HEADS, "--parallel.tp", "2", "--parallel.dp", "1", "--parallel.sequence_parallel", "true"),
+    "pp2-1f1b": (*PP2, "--parallel.schedule", "1f1b"),
+}
+
+
 def plait_train(*args, env=None, timeout=180):
     return run_cli("train", *args, env=env, timeout=timeout)
 

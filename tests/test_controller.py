@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    PP2,
+    SHARED_LAYOUTS,
     TINY,
     assert_runs_match,
     fault_env,
@@ -35,14 +37,10 @@ from plait.train.export import completed_steps
 CONTROLLER = ("--runtime.kind", "controller")
 # the layouts' arguments as the SPMD tests of each technique write them: their runs are shared
 # (conftest's RunCache), so the SPMD side costs nothing when those files run in the same session
-TP = ("--model.n_head", "4")
-PP = ("--model.n_layer", "4", "--parallel.dp", "1", "--parallel.pp", "2")
+PP = PP2
 MOE = ("--model.experts", "4", "--model.top_k", "2", "--train.log_every", "2")
 LAYOUTS = {
-    "dp2": TP,
-    "dp2-zero3": ("--parallel.zero_stage", "3"),
-    "tp2-sp": (*TP, "--parallel.tp", "2", "--parallel.dp", "1", "--parallel.sequence_parallel", "true"),
-    "pp2-1f1b": (*PP, "--parallel.schedule", "1f1b"),
+    **SHARED_LAYOUTS,
     # every other schedule (zb-v's SPMD run is test_pipeline_train's)
     "pp2-gpipe": (*PP, "--parallel.schedule", "gpipe"),
     "pp2-interleaved": (*PP, "--parallel.schedule", "interleaved", "--parallel.microbatches", "4"),

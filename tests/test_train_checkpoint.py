@@ -158,12 +158,7 @@ def _async_saves(root, stage):
 
     checkpointer.write_state = fails_on_rank1
     try:
-        saver.save(root, 3, engine, sched, sampler, keep=2)
-        try:
-            saver.wait()
-            raise AssertionError("the failed asynchronous save did not raise")
-        except CheckpointError as exc:
-            assert "step 3" in str(exc) and "rank 1: planted" in str(exc), str(exc)
+        _save_fails(saver, root, 3, (engine, sched, sampler), "rank 1: planted")
     finally:
         checkpointer.write_state = real
     comm.barrier(mesh)
@@ -182,12 +177,7 @@ def _async_saves(root, stage):
         short = checkpointer.AsyncCheckpointer(mesh, 2)
         if dist.get_rank() == 1:
             short.hook = lambda **where: time.sleep(8)  # past rank 0's DCP timeout and its store wait
-        short.save(root, 5, engine, sched, sampler, keep=2)
-        try:
-            short.wait()
-            raise AssertionError("the abandoned save did not raise")
-        except CheckpointError as exc:
-            assert "step 5" in str(exc) and "rank1 never finished writing" in str(exc), str(exc)
+        _save_fails(short, root, 5, (engine, sched, sampler), "rank1 never finished writing")
         short.close()
         comm.barrier(mesh)
         assert latest_checkpoint(root) == root / "step_00000004" and not (root / "step_00000005").exists()
@@ -202,6 +192,17 @@ def _async_saves(root, stage):
     assert checkpointer.Checkpointer(mesh).summary() == {"saves": 0, "async": False}
     mesh.close()
     return True
+
+
+def _save_fails(saver, root, step, state, why):
+    """The asynchronous save of `step` raises, at its wait, a CheckpointError naming the step and `why`."""
+    saver.save(root, step, *state, keep=2)
+    try:
+        saver.wait()
+    except CheckpointError as exc:
+        assert f"step {step}" in str(exc) and why in str(exc), str(exc)
+        return
+    raise AssertionError(f"the failed asynchronous save of step {step} did not raise")
 
 
 def _process_figures_match(figures):

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 from conftest import (
+    SHARED_LAYOUTS,
     TINY,
+    TP_HEADS,
     assert_runs_match,
     cleaned_up,
     metrics,
@@ -35,15 +37,8 @@ from plait.train.checkpoint import MANIFEST, choose_checkpoint, read_latest, ver
 from plait.train.export import completed_steps
 
 ASYNC = ("--train.checkpoint_async", "true")
-TP = ("--model.n_head", "4")
-PP = ("--model.n_layer", "4", "--parallel.dp", "1", "--parallel.pp", "2")
-# the layouts' arguments as test_controller.py writes them: the synchronous runs are shared
-LAYOUTS = {
-    "dp2": TP,
-    "dp2-zero3": ("--parallel.zero_stage", "3"),
-    "tp2-sp": (*TP, "--parallel.tp", "2", "--parallel.dp", "1", "--parallel.sequence_parallel", "true"),
-    "pp2-1f1b": (*PP, "--parallel.schedule", "1f1b"),
-}
+TP = TP_HEADS
+LAYOUTS = SHARED_LAYOUTS  # the synchronous runs are test_controller.py's (RunCache)
 HOOK = {"PLAIT_CHECKPOINT_HOOK": "plait.testing:slow_checkpoint_write"}
 
 

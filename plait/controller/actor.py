@@ -185,7 +185,7 @@ class RankActor(Actor):
         out: dict = {}
         with _captured(out):
             run.engine.finish()
-            loop.finish_saves(run)  # the last checkpoint committed (train.checkpoint_async)
+            run.checkpointer.wait()  # the last checkpoint committed (train.checkpoint_async)
             out["summary"] = report.finish(run, loss, val_loss)
         self._close()
         return out

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from plait import comm
 from plait.errors import CheckpointError
 from plait.mesh import Mesh
 from plait.train.checkpoint import commit_save, prepare_save, save_checkpoint, write_state
@@ -204,11 +205,11 @@ class AsyncCheckpointer(Checkpointer):
         self.timeout = timedelta(seconds=timeout_s)
         # DCP's own collectives (the plan, the write results) run here, off the training groups
         self.group = dist.new_group(backend="gloo", timeout=self.timeout)
-        token = torch.zeros(16, dtype=torch.uint8)  # one prefix per run: the store may outlive it
-        if mesh.is_rank0:
+        token = torch.zeros(16, dtype=torch.uint8, device=mesh.device)  # one prefix per run: the
+        if mesh.is_rank0:  # store may outlive it
             token.copy_(torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8))
-        dist.broadcast(token, src=dist.get_global_rank(self.group, 0), group=self.group)
-        prefix = f"plait-checkpoint/{bytes(token.tolist()).hex()}/"
+        comm.broadcast(token, mesh, "world")
+        prefix = f"plait-checkpoint/{bytes(token.cpu().tolist()).hex()}/"
         # the run's store (the one torch.distributed rendezvoused through): a rank's "written"
         # is a key there, so agreeing needs no collective
         self.store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())

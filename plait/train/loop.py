@@ -180,7 +180,7 @@ def _train(
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         if stop:
-            finish_saves(run)  # the save in flight completes (within the grace period) before exit
+            run.checkpointer.wait()  # the save in flight is committed (within the grace period)
             bar.close()
             run.metrics.close()
             report.log_preempted(run, step)
@@ -190,7 +190,7 @@ def _train(
     bar.close()
     run.metrics.close()
     engine.finish()
-    finish_saves(run)
+    run.checkpointer.wait()  # the last checkpoint committed: `latest` names it
     summary = report.finish(run, loss, val_loss)
     engine.close()
     run.checkpointer.close()
@@ -203,12 +203,6 @@ def _save(run: Run, step: int) -> dict:
     keep = run.cfg.train.keep_checkpoints
     root = run.run_dir / "checkpoints"
     return run.checkpointer.save(root, step, run.engine, run.scheduler, run.sampler, keep)
-
-
-def finish_saves(run: Run) -> None:
-    """Wait until the checkpoint in flight (train.checkpoint_async) is committed: `latest` names
-    it when this returns, or its failure is raised."""
-    run.checkpointer.wait()
 
 
 def _setup(
