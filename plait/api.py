@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,8 @@ from plait.errors import ConfigError
 from plait.layout import Job, Layout
 from plait.mesh import Mesh, backend_for, default_device, init_distributed
 from plait.moe.layer import MoE
-from plait.parallel_model import ParallelModel
+from plait.parallel_model import ParallelModel, stage_loss
+from plait.pipeline.stage import ModuleStage, split_sequential
 
 # The keys `mesh_or_config` may hold, with their defaults (dp = None: every rank not used by tp).
 KEYS: dict[str, Any] = {
@@ -123,6 +124,7 @@ def parallelize(
     grad_clip: float = 0.0,
     scheduler: Callable | None = None,
     seed: int = 0,
+    stages: Sequence[nn.Module] | Callable | None = None,
 ) -> ParallelModel:
     """Wrap a plain PyTorch model for the layout `mesh_or_config` asks for, and build its optimizer.
 
@@ -158,7 +160,11 @@ def parallelize(
             merged into it.
         loss_fn: `loss_fn(model, batch) -> scalar`, the mean loss over the batch's rows;
             default: the model's own output, called as model(*batch), model(**batch) or
-            model(batch), which must then be that scalar.
+            model(batch), which must then be that scalar. Under a pipeline (pp > 1, the model
+            an nn.Sequential or cut by `stages`) a batch is `(inputs, targets)` and loss_fn runs
+            on the last stage once per micro-batch, where `model(inputs)` returns the last
+            stage's output (so one loss_fn serves every layout); without a loss_fn the last
+            stage returns the summed loss (a model that cuts itself, like plait's GPT).
         tp_plan: the tensor-parallel plan, {module name pattern: style} with the styles of
             `plait.tensor_parallel` (Colwise, Rowwise, ...); default the model's `tp_plan()`.
             Required (here or on the model) when tp > 1.
@@ -173,12 +179,18 @@ def parallelize(
         scheduler: `scheduler(optimizer) -> LR scheduler`, stepped after each optimizer step and
             saved in checkpoints.
         seed: seeds the per-tp-rank random stream of dropouts inside split layers.
+        stages: the pipeline's stages (pp > 1): a list of modules of `model`, one per stage
+            (pp x virtual stages), each called on the previous one's output (the first on the
+            inputs); or an nn.Sequential of `model`'s layers, cut into equal runs; or
+            `stages(model)` returning either (ignored without a pipeline, so one `stages`
+            serves every layout). Default: the model's own cut (`pipeline_split`), or the
+            model itself when it is an nn.Sequential.
     """
     _check_inputs(model, optimizer_factory, mesh_or_config, tp_plan)  # before any process group
     owns_mesh = not isinstance(mesh_or_config, Mesh)
     mesh, s, owns_group = _mesh_and_settings(mesh_or_config, dict(options or {}))
     return _wrap(model, optimizer_factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks,
-                 param_groups, grad_clip, scheduler, seed, (owns_group, owns_mesh))  # fmt: skip
+                 param_groups, grad_clip, scheduler, seed, (owns_group, owns_mesh), stages)  # fmt: skip
 
 
 def _check_inputs(model, optimizer_factory, mesh_or_config, tp_plan) -> None:
@@ -267,16 +279,57 @@ def _layout(mesh: Mesh, s: dict) -> Layout:
     )
 
 
-def _wrap(model, factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks, groups, clip, sched, seed, owns):
+def pipeline_stages(model: nn.Module, stages, loss_fn, n_stages: int) -> list[nn.Module] | None:
+    """The stage modules `plait.apply.parallelize` cuts `model` into under a pipeline, or None
+    for the model's own cut (no loss_fn, no stages: plait's GPT, a Hugging Face model, an
+    nn.Sequential with a summed `loss_fn` attribute). With a loss_fn the last stage applies it
+    (`stage_loss`)."""
+    if stages is not None and callable(stages) and not isinstance(stages, nn.Module):
+        stages = stages(model)
+    if stages is None and loss_fn is None:
+        return None
+    if stages is None:
+        if not isinstance(model, nn.Sequential) or callable(getattr(model, "pipeline_split", None)):
+            raise ConfigError(
+                f"parallelize: a loss_fn under a pipeline (pp > 1) needs the stages' modules: make the "
+                f"model an nn.Sequential or pass stages=[...] (one module per stage); a "
+                f"{type(model).__name__} that cuts itself computes its loss on its last stage: "
+                "pass no loss_fn"
+            )
+        stages = model
+    loss = stage_loss(loss_fn) if loss_fn is not None else None
+    ours = {id(q) for q in model.parameters()}
+    parts = list(stages)
+    if not all(isinstance(m, nn.Module) for m in parts) or any(
+        id(q) not in ours for m in parts for q in m.parameters()
+    ):
+        raise ConfigError(
+            "parallelize: stages must be modules of the model (a list, one per stage, or an "
+            "nn.Sequential of its layers) sharing its parameters"
+        )
+    if isinstance(stages, nn.Sequential):
+        return split_sequential(stages, n_stages, loss, "uniform")
+    if len(parts) != n_stages:
+        raise ConfigError(
+            f"parallelize: {len(parts)} stage modules for {n_stages} pipeline stages (pp x virtual "
+            f"stages): give one per stage, or an nn.Sequential to cut"
+        )
+    return [ModuleStage(m, i, n_stages, loss) for i, m in enumerate(parts)]
+
+
+def _wrap(model, factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks, groups, clip, sched, seed, owns,
+          stages=None):  # fmt: skip
     """`plait.apply.parallelize` on the user's model, and the ParallelModel over its engine."""
 
     def part_groups(part):  # the user's groups, restricted to the part a pipeline rank holds
         held = {id(q) for q in part.parameters()}
         return [{**g, "params": [q for q in g["params"] if id(q) in held]} for g in groups]
 
+    layout = _layout(mesh, s)
+    cut = pipeline_stages(model, stages, loss_fn, layout.n_stages) if layout.pp > 1 else None
     engine = parallelize_part(
         model,
-        _layout(mesh, s),
+        layout,
         mesh,
         factory,
         param_groups=None if groups is None else part_groups,
@@ -284,6 +337,7 @@ def _wrap(model, factory, mesh, s, loss_fn, tp_plan, layout_rules, blocks, group
         rules=layout_rules,
         seed=seed,
         blocks=blocks,
+        stages=cut,
         job=Job(
             api=True,
             experts=max((m.experts.experts for m in model.modules() if isinstance(m, MoE)), default=0),

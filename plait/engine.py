@@ -88,7 +88,8 @@ class Engine(Protocol):
         """Called after the state returned by checkpoint_state was loaded in place."""
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter this rank's part holds, whole, on the CPU (collective)."""
+        """Every parameter of the model, whole, on the CPU, on every rank (collective; a pipeline
+        gathers the other stages' too)."""
 
     def finish(self) -> None:
         """Complete any step still in flight (before evaluating or saving)."""

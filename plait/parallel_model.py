@@ -27,6 +27,62 @@ class _NoState:
         pass
 
 
+PP_LOSS = (
+    "under a pipeline (pp > 1) a batch is (inputs, targets), and loss_fn(model, batch) runs on the last "
+    "stage once per micro-batch, where model(inputs) returns the last stage's output"
+)
+
+
+def _scalar(loss) -> torch.Tensor:
+    if not (torch.is_tensor(loss) and loss.dim() == 0):
+        shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+        raise ConfigError(
+            f"forward_backward needs a scalar loss, got {shape}: pass loss_fn(model, batch) -> the "
+            "mean loss over the batch's rows to parallelize, or make the model return it"
+        )
+    return loss
+
+
+class PipelineOutput:
+    """What `loss_fn(model, batch)` is given as `model` on a pipeline's last stage: called once on
+    the micro-batch's inputs, it returns the last stage's output (the stages before it ran on their
+    own ranks), so one loss_fn serves one process and every layout. Anything else a loss could do
+    with the whole model (call it on other inputs, twice, or read its attributes) is refused."""
+
+    def __init__(self, output: torch.Tensor, inputs):
+        self._output, self._inputs, self._called = output, inputs, False
+
+    def __call__(self, *args, **kwargs):
+        x = args[0] if len(args) == 1 and not kwargs else None
+        same = x is self._inputs or (
+            torch.is_tensor(x) and torch.is_tensor(self._inputs) and x.shape == self._inputs.shape
+            and bool(torch.equal(x, self._inputs))
+        )  # fmt: skip
+        if self._called or not same:
+            raise ConfigError(
+                f"parallelize: {PP_LOSS}: call model once, on the batch's inputs (model(batch[0])), "
+                "not on other arguments or twice"
+            )
+        self._called = True
+        return self._output
+
+    def __getattr__(self, name: str):
+        raise ConfigError(
+            f"parallelize: {PP_LOSS}; that model has no attribute {name!r} (the layers are split "
+            "over the pipeline ranks)"
+        )
+
+
+def stage_loss(loss_fn):
+    """The last pipeline stage's `(output, (inputs, targets)) -> loss` from the user's
+    `loss_fn(model, batch)` (the micro-batch's mean loss)."""
+
+    def loss(output: torch.Tensor, batch) -> torch.Tensor:
+        return _scalar(loss_fn(PipelineOutput(output, batch[0]), batch))
+
+    return loss
+
+
 class ParallelModel:
     """What `parallelize` returns: the model wrapped for its layout, its optimizer, and one
     training step as `forward_backward(batch)` then `step()`.
@@ -83,13 +139,7 @@ class ParallelModel:
             loss = self.model(*batch)
         else:
             loss = self.model(batch)
-        if not (torch.is_tensor(loss) and loss.dim() == 0):
-            shape = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
-            raise ConfigError(
-                f"forward_backward needs a scalar loss, got {shape}: pass loss_fn(model, batch) -> the "
-                "mean loss over the batch's rows to parallelize, or make the model return it"
-            )
-        return loss
+        return _scalar(loss)
 
     def forward_backward(self, batch, *, micro_batches: int = 1, average: bool = True) -> float:
         """Forward and backward of this rank's rows; gradients synchronised over dp.
@@ -134,17 +184,26 @@ class ParallelModel:
 
     def _pipeline_step(self, batch) -> float:
         """One step of the pipeline schedule over `(inputs, targets)`, cut into the schedule's
-        micro-batches; the last stage computes the summed loss. Returns this rank's mean."""
-        if self.loss_fn is not None or not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise ConfigError(
-                "parallelize: under a pipeline (pp > 1) a batch is (inputs, targets) and the last stage "
-                "computes the loss (the model's own, e.g. a GPT's or an nn.Sequential's loss_fn): "
-                "pass no loss_fn"
-            )
+        micro-batches. With a loss_fn, the last stage computes each micro-batch's mean loss
+        (`stage_loss`) and the step's is their mean (equal cuts of the rows); without one, the
+        model's last stage computes the summed loss, divided by the targets' elements (its
+        tokens). Returns this rank's mean."""
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(map(torch.is_tensor, batch))):
+            raise ConfigError(f"parallelize: {PP_LOSS}; got a {type(batch).__name__}, not two tensors")
         x, y = batch
         m = self.engine.schedule.m
-        loss_sum = self.engine.forward_backward(list(zip(x.chunk(m), y.chunk(m))), 1.0 / y.numel())
-        return comm.all_reduce_scalar(float(loss_sum), self.mesh, ("pp",)) / y.numel()
+        if self.loss_fn is None:
+            loss_sum = self.engine.forward_backward(list(zip(x.chunk(m), y.chunk(m))), 1.0 / y.numel())
+            return comm.all_reduce_scalar(float(loss_sum), self.mesh, ("pp",)) / y.numel()
+        if x.shape[0] % m or y.shape[0] != x.shape[0]:
+            raise ConfigError(
+                f"parallelize: under a pipeline with a loss_fn, this rank's {x.shape[0]} rows of inputs "
+                f"(and {y.shape[0]} of targets) must be cut into {m} equal micro-batches: give a "
+                f"multiple of {m} rows per dp rank, or set microbatches"
+            )
+        parts = [(xi, (xi, yi)) for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True)]
+        loss_sum = self.engine.forward_backward(parts, 1.0 / m)
+        return comm.all_reduce_scalar(float(loss_sum), self.mesh, ("pp",)) / m
 
     def step(self) -> float:
         """Clip the gradients' global norm to `grad_clip` (when set), take the optimizer step,
@@ -163,7 +222,8 @@ class ParallelModel:
         return self.engine.grad_norm()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, on the CPU, by the user's names (a collective)."""
+        """Every parameter, whole, on the CPU, by the user's names, on every rank under every
+        layout (a pipeline's other stages included; a collective)."""
         return self.engine.full_parameters()
 
     # --- checkpoints --------------------------------------------------------------------------

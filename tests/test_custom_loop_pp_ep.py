@@ -1,15 +1,21 @@
 """`plait.parallelize` in a custom loop under pipeline and expert parallelism: the same one
 parallelize path as `plait train`, so a user's loop gains pp and ep. Each layout trains a small
 GPT with SGD (momentum, no clipping: a gradient of the wrong scale moves the parameters from the
-first step) and must follow one process on the same global batches: losses and every parameter
-this rank holds, to 1e-5."""
+first step) and must follow one process on the same global batches: losses and every parameter,
+to 1e-5, as `full_parameters()` returns it on every rank (a pipeline's other stages included).
+A user's nn.Sequential of its own modules with a `loss_fn(model, batch)` runs under pp too, cut
+by plait or by `stages=`, and `plait.verify` checks it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import plait
+from plait.api import pipeline_stages
+from plait.errors import ConfigError
 from plait.models import GPT
 from plait.models.gpt import GPTConfig
 from plait.testing import run_ranks
@@ -28,7 +34,52 @@ CASES = {
     "ep2": (2, MOE, {"ep": 2}),
     "ep2-zero3": (2, MOE, {"ep": 2, "zero_stage": 3}),
     "pp2xep2-zero2": (4, MOE, {"pp": 2, "ep": 2, "zero_stage": 2, "microbatches": 2}),
+    # the user's own modules in an nn.Sequential, a loss_fn, and the cut given as stages (1 + 3)
+    "seq-pp2-stages": (2, "seq", {"pp": 2, "microbatches": 2}),
 }
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(64, 16)
+
+    def forward(self, ids):
+        return self.table(ids)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(16, 64)
+
+    def forward(self, x):
+        return self.out(x)
+
+
+def seq_model() -> nn.Sequential:
+    """Not plait's: a user's language model of its own modules, in an nn.Sequential."""
+    torch.manual_seed(0)
+    return nn.Sequential(Embed(), Block(), Block(), Head())
+
+
+def seq_loss(model, batch):
+    """The mean token loss over the batch's rows, as one process computes it."""
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def uneven(model):
+    return [model[:1], model[1:]]
 
 
 def _sgd(params):
@@ -43,9 +94,15 @@ def _batches():
     ]
 
 
-def _model(cfg: dict) -> GPT:
+def _model(cfg):
+    if cfg == "seq":
+        return seq_model()
     torch.manual_seed(0)
     return GPT(GPTConfig(**cfg))
+
+
+def _loss(model, cfg, batch):
+    return seq_loss(model, batch) if cfg == "seq" else model(*batch)
 
 
 def _reference(cfg: dict) -> tuple[list[float], dict]:
@@ -53,8 +110,8 @@ def _reference(cfg: dict) -> tuple[list[float], dict]:
     model = _model(cfg)
     opt = _sgd(model.parameters())
     losses = []
-    for x, y in _batches():
-        loss = model(x, y)
+    for batch in _batches():
+        loss = _loss(model, cfg, batch)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -64,7 +121,8 @@ def _reference(cfg: dict) -> tuple[list[float], dict]:
 
 def _parallel(name: str) -> dict:
     _, cfg, keys = CASES[name]
-    engine = plait.parallelize(_model(cfg), _sgd, keys)
+    seq = dict(loss_fn=seq_loss, stages=uneven) if cfg == "seq" else {}
+    engine = plait.parallelize(_model(cfg), _sgd, keys, **seq)
     losses = []
     for batch in _batches():
         losses.append(engine.forward_backward(engine.shard(batch)))
@@ -79,8 +137,8 @@ def runs():
     out = {}
     for ranks in (2, 4):
         names = [n for n, case in CASES.items() if case[0] == ranks]
-        both = run_ranks(_cases, ranks, args=(names,), timeout=300)
-        out.update(both[0])
+        every = run_ranks(_cases, ranks, args=(names,), timeout=300)
+        out.update({n: [rank[n] for rank in every] for n in names})
     return out
 
 
@@ -91,14 +149,46 @@ def _cases(names: list[str]) -> dict:
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipeline_and_experts_follow_one_process(runs, name):
     losses, params = _reference(CASES[name][1])
-    got = runs[name]
-    assert len(got["losses"]) == STEPS
-    for step, (a, b) in enumerate(zip(got["losses"], losses, strict=True)):
-        assert abs(a - b) <= TOL * max(1.0, abs(b)), f"{name} step {step}: loss {a} vs one process {b}"
-    assert got["params"], f"{name}: rank 0 holds no parameters"
-    for n, p in got["params"].items():
-        ref = params[n]
-        err = float((p - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
-        assert err <= TOL, f"{name}: {n} off one process by {err:.2e} (relative)"
+    for rank, got in enumerate(runs[name]):
+        assert len(got["losses"]) == STEPS
+        for step, (a, b) in enumerate(zip(got["losses"], losses, strict=True)):
+            assert abs(a - b) <= TOL * max(1.0, abs(b)), f"{name} rank {rank} step {step}: loss {a} vs {b}"
+        # full_parameters: the whole model on every rank, whatever stage the rank holds
+        assert sorted(got["params"]) == sorted(params), f"{name}: rank {rank} lacks or adds parameters"
+        for n, p in got["params"].items():
+            ref = params[n]
+            assert p.shape == ref.shape, f"{name}: rank {rank}'s {n} is {tuple(p.shape)}, not whole"
+            err = float((p - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+            assert err <= TOL, f"{name}: rank {rank}'s {n} off one process by {err:.2e} (relative)"
     moved = max(float((p - _model(CASES[name][1]).state_dict()[n]).abs().max()) for n, p in params.items())
     assert moved > 100 * TOL  # the reference trained: parameters that did not move would match anything
+
+
+def test_verify_checks_a_users_sequential_with_a_loss_fn_under_pp():
+    """plait.verify on a user's nn.Sequential of its own modules with a loss_fn: plait cuts it
+    (2 + 2 layers), the same loss_fn runs in one process and on the last stage, and it holds."""
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g))
+               for _ in range(3)]  # fmt: skip
+    report = plait.verify(seq_model, seq_loss, batches, [{"pp": 2, "microbatches": 2}], quiet=True)
+    assert report.holds, report.lines()
+
+
+def test_a_pipeline_loss_fn_is_refused_where_it_cannot_run():
+    """What a loss_fn under pp cannot be given, each a ConfigError naming the fix (no ranks)."""
+    gpt = _model(DENSE)
+    with pytest.raises(ConfigError, match="cuts itself computes its loss on its last stage"):
+        pipeline_stages(gpt, None, seq_loss, 2)
+    model = seq_model()
+    with pytest.raises(ConfigError, match="3 stage modules for 2 pipeline stages"):
+        pipeline_stages(model, [model[:1], model[1:2], model[2:]], seq_loss, 2)
+    with pytest.raises(ConfigError, match="modules of the model"):
+        pipeline_stages(model, [model[:2], nn.Linear(2, 2)], seq_loss, 2)
+    assert pipeline_stages(gpt, None, None, 2) is None  # the model's own cut and loss
+    last = pipeline_stages(model, uneven, seq_loss, 2)[-1]
+    x, y = _batches()[0]
+    h = model[:1](x)
+    torch.testing.assert_close(last(h, (x, y)), seq_loss(model, (x, y)))  # the same loss as one process
+    for wrong in (lambda m, b: m(b[0]) + m(b[0]), lambda m, b: m(b[1]), lambda m, b: m.layers):
+        with pytest.raises(ConfigError, match="loss_fn.model, batch. runs on the last stage"):
+            pipeline_stages(model, uneven, lambda m, b, w=wrong: w(m, b).sum(), 2)[-1](h, (x, y))

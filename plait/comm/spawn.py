@@ -9,7 +9,9 @@ temporary directory the ranks write themselves.
 
 from __future__ import annotations
 
+import ast
 import datetime
+import functools
 import gc
 import json
 import multiprocessing as mp
@@ -27,6 +29,9 @@ import torch.distributed as dist
 
 from plait.comm.ports import free_port
 from plait.comm.recorder import write_error_file
+from plait.errors import ConfigError
+
+GUARD = 'if __name__ == "__main__":'
 
 
 class RankFailure(AssertionError):
@@ -52,7 +57,59 @@ def rank_env(rank: int, world: int, port: int, **extra: str) -> None:
     )
 
 
+def reimported_main() -> str | None:
+    """The path of the main module a rank process re-imports (as ``__mp_main__``) before it runs
+    its function, as multiprocessing's spawn and forkserver starts do to find the functions and
+    arguments defined there; None when it imports none (``python -c``, an interactive session, a
+    package's ``__main__``)."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return None if name == "__main__" or name.endswith(".__main__") else getattr(main, "__file__", None)
+    return getattr(main, "__file__", None)
+
+
+@functools.lru_cache(maxsize=8)
+def _guarded_lines(path: str) -> tuple[tuple[int, int], ...] | None:
+    """The line ranges of `path`'s top-level ``if __name__ == "__main__":`` blocks (None: unreadable)."""
+    try:
+        tree = ast.parse(Path(path).read_text(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    spans = []
+    for node in tree.body:
+        test = node.test if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+            sides = {ast.unparse(test.left), ast.unparse(test.comparators[0])}
+            if sides in ({"__name__", "'__main__'"}, {"__name__", '"__main__"'}):
+                spans.append((node.lineno, node.end_lineno or node.lineno))
+    return tuple(spans)
+
+
+def check_main_guard(what: str = "run_ranks") -> None:
+    """Refuse to start ranks from the main script's module level outside ``if __name__ ==
+    "__main__":``: every rank re-imports that script before running its function and would run
+    the same call again, and die in it (multiprocessing refuses to start processes there)."""
+    path = reimported_main()
+    frame = sys._getframe(1)
+    main = sys.modules.get("__main__")
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if path is None or frame is None:
+        return
+    spans = _guarded_lines(frame.f_code.co_filename)
+    if spans is None or any(lo <= frame.f_lineno <= hi for lo, hi in spans):
+        return
+    raise ConfigError(
+        f"{what} was called from the module level of {path} (line {frame.f_lineno}) without "
+        f"`{GUARD}`: every rank process re-imports that script (as __mp_main__) to find the "
+        f"functions it is given, and would run the call again. Put the call (or the main() that "
+        f"makes it) under `{GUARD}`, keeping the functions it is given at module level"
+    )
+
+
 def _child(fn: Callable, rank: int, world_size: int, port: int, workdir: str, args: tuple, env: dict) -> None:
+    Path(workdir, f"started-{rank}").touch()  # the process got this far: its bootstrap went well
     os.environ.update(env)
     rank_env(rank, world_size, port, TORCHELASTIC_ERROR_FILE=os.path.join(workdir, f"error-{rank}.json"))
     torch.set_num_threads(1)
@@ -76,7 +133,7 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, workdir: str, ar
     os._exit(0)
 
 
-def _failure_text(workdir: Path, rank: int, exitcode: int | None) -> str:
+def _failure_text(workdir: Path, rank: int, exitcode: int | None, fn_name: str = "fn") -> str:
     path = workdir / f"error-{rank}.json"
     if path.exists():
         try:
@@ -84,6 +141,15 @@ def _failure_text(workdir: Path, rank: int, exitcode: int | None) -> str:
             return info["extraInfo"].get("py_callstack") or info["message"]
         except (ValueError, KeyError):
             pass
+    if not (workdir / f"started-{rank}").exists():
+        main = reimported_main()
+        imports = f"re-imports the main module {main} (as __mp_main__) and " if main else ""
+        return (
+            f"exited with code {exitcode} before running {fn_name}: it died while multiprocessing "
+            f"started it, which {imports}unpickles the function and its arguments (its traceback is "
+            f"on this process's stderr). A script that starts ranks must do so under `{GUARD}`, "
+            "and what it passes them must be importable (defined at a module's level)"
+        )
     return f"exited with code {exitcode} and left no traceback"
 
 
@@ -99,8 +165,10 @@ def run_ranks(
 
     `fn` must be importable (defined at module level). Raises `RankFailure` naming every rank
     that failed, with its traceback, as soon as one fails (after `grace` seconds for the others
-    to report their own errors), or when `timeout` seconds pass.
+    to report their own errors), or when `timeout` seconds pass. Called from a script's module
+    level without ``if __name__ == "__main__":`` it raises ConfigError before starting any rank.
     """
+    check_main_guard(f"run_ranks({getattr(fn, '__name__', fn)})")
     # Ranks fork from a server that imported torch and plait once (spawn would import them in
     # every rank: seconds per call); each gets this process's environment of now.
     ctx = mp.get_context("forkserver")
@@ -134,7 +202,7 @@ def run_ranks(
         for r, code in codes.items():
             reported = (workdir / f"error-{r}.json").exists()
             if code != 0 and (reported or code != -9):  # -9 without a report: killed by us
-                failures[r] = _failure_text(workdir, r, code)
+                failures[r] = _failure_text(workdir, r, code, getattr(fn, "__name__", "fn"))
         if timed_out or failures or any(c != 0 for c in codes.values()):
             head = f"timed out after {timeout:g}s" if timed_out else "ranks failed"
             parts = [

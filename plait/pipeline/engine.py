@@ -33,6 +33,7 @@ from plait.engine import objective_scale
 from plait.errors import ConfigError
 from plait.gradsync import GradBucket, GradSync
 from plait.mesh import Mesh
+from plait.pipeline.gather import share_over_axis
 from plait.pipeline.ir import Schedule
 from plait.pipeline.runtime import PipelineRuntime
 from plait.pipeline.schedules import make_schedule
@@ -172,6 +173,8 @@ class PipelineEngine:
             for q in stage.parameters():
                 self._users.setdefault(id(q), set()).add(s)
         self._params = {id(q): q for q in self.raw.parameters()}
+        # every stage's parameter by the whole model's name, sent by its first holder
+        self._owners = [(n, min(holders[i])) for i, n in cut.names.items() if i in holders]
         self._finished: set[int] = set()
         self._reduced: set[int] = set()
         self._record = False
@@ -307,7 +310,10 @@ class PipelineEngine:
         self.inner.checkpoint_loaded()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return self.inner.full_parameters()
+        """Every parameter of every stage, whole, on the CPU, by the model's names, on every rank:
+        this rank's stages gathered by the inner engine, the others' from their pipeline ranks (a
+        collective over every axis)."""
+        return share_over_axis(self.inner.full_parameters(), self._owners, self.mesh, "pp")
 
     def close(self) -> None:
         self.inner.close()

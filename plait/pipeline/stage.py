@@ -132,6 +132,25 @@ class SequentialStage(nn.Module):
         return x
 
 
+class ModuleStage(nn.Module):
+    """One stage given as a module (`stages=[...]` of `plait.parallelize`), kept as the child
+    ``stages.<index>`` so a rank holding several stages keeps them apart. It is called on the
+    previous stage's output; the last stage given targets applies ``loss_fn(output, targets)``,
+    or, without one, is the user's module called as ``module(x, targets)`` (the summed loss)."""
+
+    def __init__(self, module: nn.Module, index: int, n_stages: int, loss_fn=None):
+        super().__init__()
+        self.index, self.is_last = index, index == n_stages - 1
+        self.stages = nn.ModuleDict({str(index): module})
+        self._loss_fn = loss_fn
+
+    def forward(self, x: torch.Tensor, targets=None) -> torch.Tensor:
+        module = self.stages[str(self.index)]
+        if not (self.is_last and targets is not None):
+            return module(x)
+        return module(x, targets) if self._loss_fn is None else self._loss_fn(module(x), targets)
+
+
 def split_model(model: nn.Module, n_stages: int, split: str | Callable = "uniform") -> list[nn.Module]:
     """Cut `model` into `n_stages` stage modules: by its own ``pipeline_split(n_stages, split)``,
     or, for an ``nn.Sequential``, by `split_sequential` (with ``model.loss_fn``, if set, as the
