@@ -12,8 +12,9 @@ It calls the one parallelize path, `plait.apply.parallelize`, as `plait train` d
 pipeline cut -> activation checkpointing of the user's blocks -> data parallel or ZeRO 1-3 ->
 the optimizer, built by the user's factory after wrapping. Checkpoints go through
 `plait.train.checkpoint` (layout-free, so a checkpoint saved at 2 ranks loads at 1). Under a
-pipeline (pp > 1) the model must cut itself (plait's GPT, a Hugging Face model plait supports)
-or be an nn.Sequential, and a batch is `(inputs, targets)` whose loss the last stage computes.
+pipeline (pp > 1) the model cuts itself (plait's GPT, a Hugging Face model plait supports), is an
+nn.Sequential, or is cut by `stages=`; a batch is `(inputs, targets)`, and the last stage computes
+the loss: the model's own, or `loss_fn(model, batch)` with `model(inputs)` that stage's output.
 """
 
 from __future__ import annotations
