@@ -153,9 +153,14 @@ def _mlp(mesh, step, seq_parallel):
 def _embedding(mesh, tp, step):
     r = mesh.rank("tp")
     D = 8
-    for V, seq_parallel, padding_idx in ((64, False, None), (250, True, 3), (251, False, None)):
+    # padding_idx in rank 0's rows, and in a later rank's (200: rank 3 of 4, rank 1 of 2)
+    cases = ((64, False, None), (250, True, 3), (251, True, -51), (250, False, 200), (251, False, None))
+    for V, seq_parallel, padding_idx in cases:
         torch.manual_seed(13)
         dense = nn.Embedding(V, D, padding_idx=padding_idx)
+        if padding_idx is not None:  # a loaded table's padding row need not be zero: it is looked up
+            with torch.no_grad():
+                dense.weight[padding_idx] = torch.arange(1.0, D + 1)
         emb = VocabParallelEmbedding.from_embedding(dense, mesh, sequence_parallel=seq_parallel, seq_dim=1)
         padded = pad_to_multiple(V, tp)
         per = padded // tp
@@ -169,6 +174,8 @@ def _embedding(mesh, tp, step):
         g = torch.Generator().manual_seed(14)
         ids = torch.randint(0, V, (B, S), generator=g)
         ids[0, :3] = torch.tensor([0, V - 1, 3])
+        if padding_idx is not None:  # the padding id, several times: its row gets no gradient
+            ids[1, :4] = padding_idx % V
         gy = _data(15, B, S, D)
         dense.zero_grad()
         y = dense(ids)
@@ -178,6 +185,8 @@ def _embedding(mesh, tp, step):
         out.backward(shard(gy))
         _close(f"V={V} embedding y", out, shard(y.detach()))
         _close(f"V={V} embedding dW", emb.weight.grad[: hi - lo], dense.weight.grad[lo:hi])
+        if padding_idx is not None and lo <= padding_idx % V < hi:
+            assert not emb.weight.grad[padding_idx % V - lo].any() and emb.weight[padding_idx % V - lo].all()
         assert not emb.weight.grad[hi - lo :].any()  # padding rows never selected
     # The ledger: one all-reduce forward, nothing backward.
     mesh.ledger.clear()
