@@ -1,10 +1,11 @@
-"""Hugging Face `transformers` models (GPT-2, Llama) behind plait's model contract.
+"""Hugging Face `transformers` causal LMs (GPT-2, Llama, and any architecture transformers
+records a ``base_model_pp_plan`` for) behind plait's model contract.
 
-`HFCausalLM` wraps a ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` built from its config class with
-plait's size keys (`HFConfig.to_hf_config`; nothing is downloaded) and drives it itself: token
-(and, for GPT-2, position) embeddings, each decoder layer, the final norm and the head. Driving
-the layers here, rather than calling the model's ``forward``, is what lets the rest of plait cut
-and split it like its own GPT:
+`HFCausalLM` wraps a model that ``AutoModelForCausalLM.from_config`` builds from plait's size keys
+(`HFConfig.to_hf_config`, `plait.models.hf_config`; nothing is downloaded) and drives it itself:
+the embeddings, each decoder layer, the final norm and the head. Driving the layers here, rather
+than calling the model's ``forward``, is what lets the rest of plait cut and split it like its
+own GPT:
 
 * each decoder layer is replaced by a block of ours (`LlamaBlock`, `GPT2Block`) that keeps the
   layer's own submodules under their own names, so parameter names stay transformers' names
@@ -24,12 +25,17 @@ Colwise/Rowwise styles split them; `to_hf_state_dict` transposes them back for e
 is ``torch.nn.functional.scaled_dot_product_attention`` with a causal mask, as transformers'
 "sdpa" implementation computes it. The blocks are in `plait.models.hf_blocks`, the parallel layouts
 in `plait.models.hf_parallel`.
+
+Any other architecture (``hf:gpt_neox``, ``hf:mistral``, ``hf:qwen2``, ...) takes the generic path
+(`plait.models.hf_generic`): its decoder layers stay transformers' modules, called with the
+rotary embedding and no mask (causal attention); `driving_error` checks, before a run starts,
+that this gives the model's own logits. Its tensor-parallel plan is transformers' own
+``base_model_tp_plan`` mapped onto plait's styles (`plait.models.hf_parallel.generic_plan`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,119 +46,15 @@ from plait.models.hf_blocks import (
     GPT2Block,
     LlamaBlock,
     _linear_from_conv1d,
-    embed,
-    final_norm,
     hf_model_class,
     hf_state_from,
 )
+from plait.models.hf_config import HFConfig
+from plait.models.hf_generic import OWN_PARTS, embed, find_parts, run_layers
 from plait.models.hf_parallel import hf_plan, split_hf
 from plait.models.hf_weights import load_weights
 
-HF_ARCHS = ("gpt2", "llama")
-
-
-@dataclass
-class HFConfig:
-    """A Hugging Face model in plait's size keys (what ``model.cfg`` of an `HFCausalLM` is)."""
-
-    arch: str
-    """'gpt2' or 'llama'."""
-    vocab_size: int = 256
-    seq_len: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 128
-    d_ff: int | None = None
-    """MLP inner size; None means 4 * d_model (for Llama too: its gate/up/down width)."""
-    n_kv_head: int | None = None
-    """Llama's key/value heads (grouped-query attention); None means n_head."""
-    tie_weights: bool = True
-    """transformers' tie_word_embeddings."""
-    weights: str = ""
-    """A save_pretrained directory loaded into the model at build time ("" = initialise)."""
-    dropout: float = 0.0  # the keys the trainer reads of any model config: hf models are dense
-    experts: int = 0
-    top_k: int = 1
-
-    @property
-    def ff_dim(self) -> int:
-        return self.d_ff if self.d_ff is not None else 4 * self.d_model
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_head if self.n_kv_head is not None else self.n_head
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
-    def bias(self) -> bool:
-        return self.arch == "gpt2"
-
-    n_moe_layers = 0
-
-    def is_moe(self, layer: int) -> bool:
-        return False
-
-    def n_params(self) -> int:
-        """Distinct parameters of the model (a tied head once)."""
-        d, f, V, hd = self.d_model, self.ff_dim, self.vocab_size, self.head_dim
-        head = 0 if self.tie_weights else V * d
-        if self.arch == "gpt2":
-            block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-            return V * d + self.seq_len * d + self.n_layer * block + 2 * d + head
-        attn = d * self.n_head * hd + 2 * d * self.kv_heads * hd + self.n_head * hd * d
-        return V * d + self.n_layer * (2 * d + attn + 3 * d * f) + d + head
-
-    def train_flops_per_token(self) -> float:
-        """Model FLOPs of forward + backward per token: 6 x the matrix parameters a token meets
-        (Kaplan et al. 2020, C = 6N) plus the attention scores and their weighted sum (3 passes of
-        4 s h per layer, Narayanan et al. 2021 §5.1)."""
-        d, f, hd = self.d_model, self.ff_dim, self.head_dim
-        if self.arch == "gpt2":
-            per_layer = 4 * d * d + 2 * d * f
-        else:
-            per_layer = 2 * d * self.n_head * hd + 2 * d * self.kv_heads * hd + 3 * d * f
-        matmuls = self.n_layer * per_layer + d * self.vocab_size
-        return float(6 * matmuls + 12 * self.n_layer * self.seq_len * d)
-
-    def to_hf_config(self):
-        """The transformers config of these sizes (sdpa attention, no dropout)."""
-        if self.arch == "gpt2":
-            from transformers import GPT2Config
-
-            return GPT2Config(
-                vocab_size=self.vocab_size,
-                n_positions=self.seq_len,
-                n_embd=self.d_model,
-                n_layer=self.n_layer,
-                n_head=self.n_head,
-                n_inner=self.d_ff,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-                tie_word_embeddings=self.tie_weights,
-                bos_token_id=None,
-                eos_token_id=None,
-                attn_implementation="sdpa",
-            )
-        from transformers import LlamaConfig
-
-        return LlamaConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.d_model,
-            intermediate_size=self.ff_dim,
-            num_hidden_layers=self.n_layer,
-            num_attention_heads=self.n_head,
-            num_key_value_heads=self.kv_heads,
-            max_position_embeddings=self.seq_len,
-            tie_word_embeddings=self.tie_weights,
-            attention_dropout=0.0,
-            bos_token_id=None,
-            eos_token_id=None,
-            attn_implementation="sdpa",
-        )
+__all__ = ["HFCausalLM", "HFConfig", "build_hf", "config_fields", "driving_error", "hf_model_class"]
 
 
 class HFCausalLM(nn.Module):
@@ -162,32 +64,39 @@ class HFCausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module, cfg: HFConfig):
         super().__init__()
         self.cfg = cfg
-        self.hf_config = hf_model.config  # for export; not a module
-        if cfg.arch == "llama":
-            self.model = hf_model.model
+        self.hf_config = hf_model.config  # for export and the tp plan; not a module
+        parts = self.parts = find_parts(hf_model, cfg.arch) if cfg.generic else OWN_PARTS[cfg.arch]
+        setattr(self, parts.root, getattr(hf_model, parts.root))
+        if cfg.generic:
+            pass  # the layers stay transformers' own (plait.models.hf_generic.run_layers)
+        elif cfg.arch == "llama":
             rotary = self.model.rotary_emb
             for i, layer in enumerate(self.model.layers):
                 self.model.layers[i] = LlamaBlock(layer, rotary)
         else:
-            self.transformer = hf_model.transformer
             for i, block in enumerate(self.transformer.h):
                 for name in CONV1D:
                     parent, _, child = name.rpartition(".")
                     owner = block.get_submodule(parent)
                     setattr(owner, child, _linear_from_conv1d(getattr(owner, child)))
                 self.transformer.h[i] = GPT2Block(block)
-        self.lm_head = hf_model.lm_head
+        setattr(self, parts.head, getattr(hf_model, parts.head))
         self.loss_fn = cross_entropy  # hooks a vocabulary-parallel head replaces, as in GPT
         self.output_fn = _identity
 
     @property
     def root(self) -> nn.Module:
-        """The transformers base model: ``model`` (Llama) or ``transformer`` (GPT-2)."""
-        return self.model if self.cfg.arch == "llama" else self.transformer
+        """The transformers base model: ``model`` (Llama), ``transformer`` (GPT-2), ``gpt_neox``..."""
+        return getattr(self, self.parts.root)
 
     @property
     def layers(self) -> nn.ModuleList:
-        return self.model.layers if self.cfg.arch == "llama" else self.transformer.h
+        return getattr(self.root, self.parts.layers)
+
+    @property
+    def head(self) -> nn.Module:
+        """The output layer (``lm_head``)."""
+        return getattr(self, self.parts.head)
 
     def plait_blocks(self) -> list[nn.Module]:
         """The decoder layers: ZeRO-3's units and activation checkpointing's."""
@@ -197,7 +106,7 @@ class HFCausalLM(nn.Module):
         return split_hf(self, n_stages, split)
 
     def tp_plan(self) -> dict:
-        return hf_plan(self.cfg.arch, self.cfg.tie_weights)
+        return hf_plan(self.cfg, self.parts, self.hf_config)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
@@ -207,10 +116,9 @@ class HFCausalLM(nn.Module):
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than seq_len={self.cfg.seq_len}")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        x = embed(self.cfg.arch, self.root, idx)
-        for layer in self.layers:
-            x = layer(x)
-        logits = self.lm_head(final_norm(self.cfg.arch, self.root)(x))
+        root = self.root
+        x = run_layers(self.cfg, self.parts, root, self.layers, embed(self.cfg, self.parts, root, idx))
+        logits = self.head(getattr(root, self.parts.last)(x))
         if targets is None:
             return self.output_fn(logits)
         return self.loss_fn(logits, targets, reduction)
@@ -234,3 +142,16 @@ def build_hf(cfg: HFConfig) -> HFCausalLM:
 
 def config_fields() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(HFConfig))
+
+
+@torch.no_grad()
+def driving_error(cfg: HFConfig) -> float:
+    """The largest difference between plait's layer-by-layer logits (`HFCausalLM`) and the model's
+    own ``forward`` on one sequence of min(seq_len, 8) tokens, for a model of `cfg` with at most 2
+    layers (the check that the generic path computes the architecture's function)."""
+    small = dataclasses.replace(cfg, n_layer=min(cfg.n_layer, 2), weights="")
+    hf = hf_model_class(small.arch)(small.to_hf_config()).eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, small.vocab_size, (1, min(small.seq_len, 8)), generator=g)
+    want = hf(x).logits
+    return float((HFCausalLM(hf, small)(x) - want).abs().max())

@@ -1,6 +1,6 @@
 """The pieces of a Hugging Face decoder that `plait.models.hf.HFCausalLM` drives itself (see its
 docstring): plait's blocks holding each transformers layer's submodules, the attention they
-compute, the embeddings and final norm by architecture, and GPT-2's Conv1D <-> Linear layouts.
+compute, GPT-2's Conv1D <-> Linear layouts, and the transformers class of an architecture.
 
 A module of its own so that the model (`hf`), its parallel layouts (`hf_parallel`) and its
 weight files (`hf_weights`) all build on it without importing one another in a circle.
@@ -14,10 +14,13 @@ from torch import nn
 
 
 def hf_model_class(arch: str):
-    """transformers' class of `arch` (imported when asked: transformers is an optional dependency)."""
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    """What builds a model of `arch` from its transformers config: GPT2LMHeadModel,
+    LlamaForCausalLM, or for any other architecture ``AutoModelForCausalLM.from_config`` (imported
+    when asked: transformers is an optional dependency)."""
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
-    return {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}[arch]
+    own = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM}
+    return own.get(arch, AutoModelForCausalLM.from_config)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -107,15 +110,3 @@ def hf_state_from(arch: str, state: dict[str, torch.Tensor]) -> dict[str, torch.
         return dict(state)
     conv = tuple(f"{n}.weight" for n in CONV1D)
     return {k: (v.t() if k.endswith(conv) else v) for k, v in state.items()}
-
-
-def embed(arch: str, root: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    """The first stage's work: token (and GPT-2's learned position) embeddings of `idx`."""
-    if arch == "llama":
-        return root.embed_tokens(idx)
-    pos = torch.arange(idx.shape[1], device=idx.device)
-    return root.drop(root.wte(idx) + root.wpe(pos))
-
-
-def final_norm(arch: str, root: nn.Module) -> nn.Module:
-    return root.norm if arch == "llama" else root.ln_f

@@ -14,8 +14,22 @@ sequence parallelism (Korthikanti et al. 2022) on the norms, dropouts and GPT-2'
 * both: the token embedding and the head vocabulary-parallel (the loss then vocab-parallel),
   sharing the embedding's shard when the weights are tied.
 
+Any other architecture (the generic path, `plait.models.hf_generic`): `generic_plan` maps
+transformers' own ``base_model_tp_plan`` (the strings its ``tp_plan="auto"`` applies) onto plait's
+styles, in the base model's names: ``colwise`` -> `Colwise`, ``rowwise`` -> `Rowwise` (dim "heads"
+under the attention, "d_ff" elsewhere), ``embedding_rowwise`` on the token embedding ->
+`VocabEmbedding`, ``replicated_with_grad_allreduce`` (a norm inside attention that sees the rank's
+heads only) -> `GradPartial`; ``colwise_gather_output`` / ``rowwise_split_input`` (a layer whose
+output or input stays whole, e.g. Phi-3's fused qkv) are kept replicated over tp. Any other
+string is refused (`PlanError`, a ConfigError naming it). The token embedding and the head are
+vocabulary-parallel as above whatever the plan says. A fused projection that transformers splits
+"colwise" is laid out per head (GPT-NeoX's query_key_value rows are ``[h0: q k v | h1: q k v |
+...]``), so the plain row split holds whole heads of q, k and v once heads divide tp. An
+architecture with no plan keeps its layers replicated over tp (`plan_warning` says so).
+
 `split_hf` cuts by decoder layers: the embeddings with the first stage, the final norm, head and
-loss with the last; each stage keeps the model's own modules under the model's own names.
+loss with the last (the rotary embedding, buffers only, on every stage); each stage keeps the
+model's own modules under the model's own names.
 """
 
 from __future__ import annotations
@@ -26,8 +40,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from plait.models.hf_blocks import embed, final_norm
+from plait.errors import ConfigError
+from plait.models.hf_generic import Parts, embed, run_layers
 from plait.pipeline.stage import stage_bounds
+from plait.placement import set_grad_partial
 from plait.tp_plan import (
     Colwise,
     PositionSharded,
@@ -54,10 +70,36 @@ class LocalHeads:
         return m
 
 
-def hf_plan(arch: str, tie_weights: bool) -> dict:
+@dataclasses.dataclass
+class GradPartial:
+    """transformers' ``replicated_with_grad_allreduce``: a module kept whole on every tp rank whose
+    input is the rank's share of a split dim (Qwen3's per-head q_norm sees the rank's heads), so
+    its parameters' gradients are partial over tp (summed by the trainer, `plait.placement`)."""
+
+    dim: str | None = "heads"
+
+    def apply(self, name: str, m: nn.Module, ctx) -> nn.Module:
+        for p in m.parameters():
+            set_grad_partial(p, ctx.axis)
+        return m
+
+
+class PlanError(ConfigError):
+    """transformers' tensor-parallel plan of an architecture holds a style plait does not map."""
+
+
+MAPPED = ("colwise", "rowwise", "embedding_rowwise", "replicated_with_grad_allreduce")
+REPLICATED = ("colwise_gather_output", "rowwise_split_input")
+"""transformers' styles that `generic_plan` maps, and those it keeps replicated over tp."""
+
+
+def hf_plan(cfg, parts: Parts, hf_config=None) -> dict:
     """The tensor-parallel plan of an hf model (module docstring); named dims "vocab", "heads",
     "d_ff" as for plait's GPT."""
-    if arch == "llama":
+    if cfg.generic:
+        return generic_plan(cfg, parts, getattr(hf_config, "base_model_tp_plan", None))
+    tie_weights = cfg.tie_weights
+    if cfg.arch == "llama":
         layer = "model.layers.*."
         return {
             "model.embed_tokens": VocabEmbedding(dim="vocab"),
@@ -92,10 +134,46 @@ def hf_plan(arch: str, tie_weights: bool) -> dict:
     }
 
 
-_FIRST = {"llama": ("embed_tokens",), "gpt2": ("wte", "wpe", "drop")}
-_LAST = {"llama": "norm", "gpt2": "ln_f"}
-_ROOT = {"llama": "model", "gpt2": "transformer"}
-_LAYERS = {"llama": "layers", "gpt2": "h"}
+def _dim(key: str) -> str:
+    """The named dim a split of transformers' module `key` is along: "heads" in attention."""
+    return "heads" if "attn" in key or "attention" in key else "d_ff"
+
+
+def generic_plan(cfg, parts: Parts, tp_plan: dict | None) -> dict:
+    """transformers' `tp_plan` (its config's base_model_tp_plan, names relative to the base model)
+    in plait's styles, with the embedding and head vocabulary-parallel (module docstring)."""
+    root, embedding = parts.root, f"{parts.root}.{parts.embedding}"
+    plan = {embedding: VocabEmbedding(dim="vocab")}
+    for key, style in (tp_plan or {}).items():
+        name = f"{root}.{key}"
+        if style in REPLICATED or name == embedding:
+            continue  # replicated over tp; the token embedding is vocabulary-parallel above
+        if style == "colwise":
+            plan[name] = Colwise(dim=_dim(key))
+        elif style == "rowwise":
+            plan[name] = Rowwise(dim=_dim(key))
+        elif style == "replicated_with_grad_allreduce":
+            plan[name] = GradPartial(dim=_dim(key))
+        else:
+            raise PlanError(
+                f"model.source = 'hf:{cfg.arch}' with parallel.tp > 1: transformers' tensor-parallel plan "
+                f"splits {key} as {style!r}, which plait does not map (it maps {', '.join(MAPPED)} and keeps "
+                f"{', '.join(REPLICATED)} replicated): set parallel.tp = 1"
+            )
+    plan[parts.head] = VocabHead(tie=embedding if cfg.tie_weights else None, dim="vocab")
+    return plan
+
+
+def plan_warning(cfg, hf_config) -> str:
+    """What `plait train` warns of for a generic architecture under tp: '' when transformers ships
+    its tensor-parallel plan, else that its decoder layers stay replicated over tp."""
+    if not cfg.generic or getattr(hf_config, "base_model_tp_plan", None):
+        return ""
+    return (
+        f"model.source = 'hf:{cfg.arch}': transformers ships no tensor-parallel plan "
+        "(base_model_tp_plan) for it: its decoder layers are replicated over parallel.tp (every tp rank "
+        "computes them whole); only the embedding and head are split"
+    )
 
 
 class HFStage(nn.Module):
@@ -104,29 +182,32 @@ class HFStage(nn.Module):
 
     def __init__(self, model, index: int, n_stages: int, lo: int, hi: int):
         super().__init__()
-        arch = self.arch = model.cfg.arch
+        self.cfg, parts = model.cfg, model.parts
+        self.parts = parts
         self.index, self.n_stages, self.lo, self.hi = index, n_stages, lo, hi
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         src, root = model.root, nn.Module()
         if self.is_first:
-            for name in _FIRST[arch]:
+            for name in parts.first:
                 setattr(root, name, getattr(src, name))
-        setattr(root, _LAYERS[arch], nn.ModuleDict({str(i): model.layers[i] for i in range(lo, hi)}))
+        if parts.rotary is not None:  # buffers only: every stage computes the positions' angles
+            setattr(root, parts.rotary, getattr(src, parts.rotary))
+        setattr(root, parts.layers, nn.ModuleDict({str(i): model.layers[i] for i in range(lo, hi)}))
         if self.is_last:
-            setattr(root, _LAST[arch], getattr(src, _LAST[arch]))
-            self.lm_head = model.lm_head
+            setattr(root, parts.last, getattr(src, parts.last))
+            setattr(self, parts.head, model.head)
             self._loss_fn, self._output_fn = model.loss_fn, model.output_fn  # after apply_tp
-        setattr(self, _ROOT[arch], root)
+        setattr(self, parts.root, root)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        root = getattr(self, _ROOT[self.arch])
+        parts = self.parts
+        root = getattr(self, parts.root)
         if self.is_first:
-            x = embed(self.arch, root, x)
-        for layer in getattr(root, _LAYERS[self.arch]).values():
-            x = layer(x)
+            x = embed(self.cfg, parts, root, x)
+        x = run_layers(self.cfg, parts, root, getattr(root, parts.layers).values(), x)
         if not self.is_last:
             return x
-        logits = self.lm_head(final_norm(self.arch, root)(x))
+        logits = getattr(self, parts.head)(getattr(root, parts.last)(x))
         if targets is None:
             return self._output_fn(logits)
         return self._loss_fn(logits, targets, "sum")
@@ -138,17 +219,17 @@ class HFStage(nn.Module):
 def split_hf(model, n_stages: int, split: str | Callable = "uniform") -> list[HFStage]:
     """Cut an HFCausalLM into `n_stages` stages by decoder layers ("uniform", "params" or a cost
     function, as `plait.pipeline.stage.stage_bounds` takes)."""
-    arch, root = model.cfg.arch, model.root
-    prefix = f"{_ROOT[arch]}.{_LAYERS[arch]}"
+    parts, root = model.parts, model.root
+    prefix = f"{parts.root}.{parts.layers}"
     layers = [(f"{prefix}.{i}", m) for i, m in enumerate(model.layers)]
-    head = [] if model.cfg.tie_weights else [("lm_head", model.lm_head)]
+    head = [] if model.cfg.tie_weights else [(parts.head, model.head)]
     bounds = stage_bounds(
         layers,
         n_stages,
         split,
-        what=f"an hf:{arch} model with n_layer = {len(layers)}",
+        what=f"an hf:{model.cfg.arch} model with n_layer = {len(layers)}",
         unit="layer",
-        first=[(f"{_ROOT[arch]}.{n}", getattr(root, n)) for n in _FIRST[arch]],
-        last=[(f"{_ROOT[arch]}.{_LAST[arch]}", getattr(root, _LAST[arch])), *head],
+        first=[(f"{parts.root}.{n}", getattr(root, n)) for n in parts.first],
+        last=[(f"{parts.root}.{parts.last}", getattr(root, parts.last)), *head],
     )
     return [HFStage(model, i, n_stages, bounds[i], bounds[i + 1]) for i in range(n_stages)]

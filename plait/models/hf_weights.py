@@ -40,6 +40,31 @@ def weights_file(path: str | Path) -> Path:
     return f
 
 
+def _renamer(hf_model):
+    """name in the file -> name in the model, by the renamings transformers applies when loading."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # a transformers without conversion mappings: names are the model's
+        return lambda key: key
+    transforms = get_model_conversion_mapping(hf_model)
+    converting = [t for t in transforms if not isinstance(t, WeightRenaming)]
+
+    def rename(key: str) -> str:
+        for t in transforms:
+            if isinstance(t, WeightRenaming):
+                key, _ = t.rename_source_key(key)
+        return key
+
+    if converting:
+        sources = ", ".join(str(p) for t in converting[:2] for p in t.source_patterns[:2])
+        raise ConfigError(
+            f"model.weights: transformers converts the tensors of {type(hf_model).__name__} when loading "
+            f"({sources}), which plait's loader does not: load it with from_pretrained in a python: factory"
+        )
+    return rename
+
+
 def _expected(hf_model) -> tuple[dict[str, tuple], set[str]]:
     """{name: shape} of every state entry and the names that may be absent (a tie's second name)."""
     shapes = {k: tuple(v.shape) for k, v in hf_model.state_dict().items()}
@@ -54,9 +79,10 @@ def _expected(hf_model) -> tuple[dict[str, tuple], set[str]]:
 def check_weights(hf_model, path: str | Path) -> None:
     """The file's names and shapes are those of `hf_model` (read from the header only)."""
     f = weights_file(path)
+    rename = _renamer(hf_model)
     try:
         with safe_open(str(f), framework="pt") as fh:
-            have = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+            have = {rename(k): tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
     except Exception as exc:
         raise ConfigError(f"model.weights: {f} is not a readable safetensors file ({exc})") from None
     want, optional = _expected(hf_model)
@@ -80,7 +106,8 @@ def check_weights(hf_model, path: str | Path) -> None:
 def load_weights(hf_model, path: str | Path) -> None:
     """Copy the weights of DIR into `hf_model` (a transformers model), names and shapes checked."""
     check_weights(hf_model, path)
-    state = load_file(str(weights_file(path)))
+    rename = _renamer(hf_model)
+    state = {rename(k): v for k, v in load_file(str(weights_file(path))).items()}
     params = dict(hf_model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for k, v in state.items():

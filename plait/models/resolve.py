@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from plait.data.tokenizer import tokenizer_vocab_size
 from plait.models.gpt import GPTConfig, gpt_config
-from plait.models.hf import HFConfig
+from plait.models.hf_config import HF_KEYS, HFConfig, default_hf_config, read_hf_config
 
 SIZE_KEYS = ("n_layer", "n_head", "d_model", "seq_len", "vocab_size")
 MOE_KEYS = ("experts", "moe_every", "top_k", "capacity_factor", "aux_loss_coef", "z_loss_coef")
@@ -29,17 +29,28 @@ def model_config(cfg) -> GPTConfig | HFConfig:
 
 
 def hf_model_config(cfg) -> HFConfig:
-    """The `HFConfig` of an hf source: the named size's dimensions with the overrides applied."""
+    """The `HFConfig` of an hf source: each size key as set, else (with ``model.hf_config``) the
+    file's value, else the named size's; the vocabulary, when not set, follows a tokenizer other
+    than bytes."""
     m = cfg.model
+    arch = m.source.removeprefix("hf:")
     base = gpt_config(m.name)
     sizes = {k: getattr(m, k) if getattr(m, k) is not None else getattr(base, k) for k in SIZE_KEYS}
+    extra = {"d_ff": m.d_ff, "n_kv_head": m.n_kv_head}
+    if m.hf_config:  # the file's sizes where [model] sets none (seq_len stays plait's)
+        given = read_hf_config(m.hf_config)
+        aliases = default_hf_config(arch).attribute_map if given else {}  # e.g. hidden_size -> n_embd
+        for key, hf_key in HF_KEYS.items():
+            value = given.get(hf_key, given.get(aliases.get(hf_key, hf_key)))
+            if getattr(m, key) is None and isinstance(value, int):
+                (sizes if key in sizes else extra)[key] = value
     if m.vocab_size is None and cfg.data.tokenizer != "bytes":  # the vocabulary follows the tokenizer
         sizes["vocab_size"] = tokenizer_vocab_size(cfg.data)
     return HFConfig(
-        arch=m.source.removeprefix("hf:"),
-        d_ff=m.d_ff,
-        n_kv_head=m.n_kv_head,
+        arch=arch,
         tie_weights=m.tie_weights,
         weights=m.weights,
+        hf_config=m.hf_config,
+        **extra,
         **sizes,
     )

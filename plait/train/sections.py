@@ -23,9 +23,11 @@ class ModelConfig:
 
     source: str = _f(
         "plait",
-        "what builds the model: 'plait' (its GPT), 'hf:gpt2' or 'hf:llama' (transformers' model built from "
-        "the size keys, needs pip install plait[hf]) or 'python:PKG.MODULE:FUNC' (your function, called "
-        "with the resolved [model] sizes; docs/your-model.md)",
+        "what builds the model: 'plait' (its GPT), 'hf:ARCH' (transformers' causal LM of model_type ARCH "
+        "built from the size keys and model.hf_config, needs pip install plait[hf]: hf:gpt2, hf:llama, "
+        "hf:gpt_neox, hf:mistral, hf:qwen2, ... any whose config has a base_model_pp_plan) or "
+        "'python:PKG.MODULE:FUNC' (your function, called with the resolved [model] sizes; "
+        "docs/your-model.md)",
     )
     name: str = _f("small", "named size: tiny, small, 3m, 20m, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
     n_layer: int | None = _f(None, "transformer blocks (default: from the named size)")
@@ -46,8 +48,16 @@ class ModelConfig:
     )
     aux_loss_coef: float = _f(0.01, "weight of the load-balancing loss, per MoE layer (Switch's alpha)")
     z_loss_coef: float = _f(0.001, "weight of the router z-loss, per MoE layer (ST-MoE)")
-    n_kv_head: int | None = _f(None, "hf:llama: key/value heads (grouped-query attention; default n_head)")
+    n_kv_head: int | None = _f(
+        None, "hf:* with grouped-query attention (llama, mistral, qwen2...): key/value heads (default n_head)"
+    )
     weights: str = _f("", "hf:*: a save_pretrained directory (safetensors) to load the weights from")
+    hf_config: str = _f(
+        "",
+        "hf:* but gpt2: the architecture's other config keys: a config.json, the directory holding one, or "
+        "an inline JSON object ('{\"use_parallel_residual\": false}'); the size keys set in [model] override "
+        "it, unset ones are read from it (seq_len excepted)",
+    )
 
 
 @dataclasses.dataclass
