@@ -1,11 +1,13 @@
-"""Hugging Face models (`[model] source = "hf:gpt2" | "hf:llama"`) through plait's one parallelize
+"""Hugging Face models (`[model] source = "hf:gpt2" | "hf:llama"`, and on the generic path
+"hf:gpt_neox" (per-head fused qkv), "hf:mistral", "hf:qwen2") through plait's one parallelize
 path (`plait.train.build.build_engine`, as `plait train` builds it) against the same model in one
-process: dp2, tp2 with sequence parallelism, ZeRO-3 over dp2, a 2-stage pipeline, and dp2 x tp2
-(4 ranks); Llama with grouped-query attention (n_kv_head < n_head). Per step the loss and the
-gradient norm before clipping, then the final parameters, within 1e-5 in fp32. AdamW with
-clipping, and SGD without clipping (a gradient of the wrong scale moves the parameters at once).
-Then the exported directory loads with transformers' `from_pretrained` and gives plait's logits,
-`model.weights` of it reproduces the loss, and bad inputs are one clear ConfigError each."""
+process: dp2, tp2 (with sequence parallelism on plait's own blocks), ZeRO-3 over dp2, a 2-stage
+pipeline, and for gpt2 / llama dp2 x tp2 (4 ranks); grouped-query attention (n_kv_head < n_head).
+Per step the loss and the gradient norm before clipping, then the final parameters, within 1e-5 in
+fp32. AdamW with clipping, and SGD without clipping (a gradient of the wrong scale moves the
+parameters at once). Then the exported directory loads with transformers' `from_pretrained` and
+gives plait's logits, `model.weights` of it reproduces the loss, `plait train` of hf:gpt_neox
+gives dp2's loss curve under tp2 and pp2, and bad inputs are one clear ConfigError each."""
 
 import dataclasses
 import functools
@@ -30,10 +32,19 @@ from plait.train.config import Config, validate
 STEPS, BATCH, SEQ = 4, 4, 16
 ONE = dict(dp=1, tp=1, pp=1)
 SIZES = dict(n_layer=2, n_head=4, d_model=32, seq_len=SEQ, vocab_size=256)
-ARCHS = {"llama": dict(source="hf:llama", n_kv_head=2, tie_weights=False), "gpt2": dict(source="hf:gpt2")}
+ARCHS = {
+    "llama": dict(source="hf:llama", n_kv_head=2, tie_weights=False),
+    "gpt2": dict(source="hf:gpt2"),
+    # the generic path: transformers' own layers, tp plan from base_model_tp_plan
+    "gpt_neox": dict(source="hf:gpt_neox", tie_weights=False),  # query_key_value fused per head
+    "mistral": dict(source="hf:mistral", n_kv_head=2),  # tied
+    "qwen2": dict(source="hf:qwen2", n_kv_head=2, tie_weights=False),  # q, k, v with biases
+}
+GENERIC = ("gpt_neox", "mistral", "qwen2")
 # name: (ranks, parallel keys, sgd without clipping)
 LAYOUTS = {
     "dp2": (2, dict(dp=2), False),
+    "tp2": (2, dict(tp=2), True),
     "tp2-sp": (2, dict(tp=2, sequence_parallel=True), False),
     "zero3": (2, dict(dp=2, zero_stage=3), True),
     "pp2": (2, dict(pp=2, microbatches=2), False),
@@ -43,6 +54,11 @@ LAYOUTS = {
     "pp2xtp2": (4, dict(pp=2, tp=2, sequence_parallel=True, microbatches=2), False),
 }
 RECOMPUTE = ("dp2xtp2-zero3-recompute",)  # with train.activation_checkpointing
+# which layouts each architecture is trained under (the generic path has no sequence parallelism;
+# its 2-rank layouts only, to keep the suite's time)
+OWN_LAYOUTS = tuple(n for n in LAYOUTS if n != "tp2")  # tp2 with sequence parallelism instead
+ARCH_LAYOUTS = {a: ("dp2", "tp2", "zero3", "pp2") if a in GENERIC else OWN_LAYOUTS for a in ARCHS}
+CASES = [(a, name) for a in ARCHS for name in ARCH_LAYOUTS[a]]
 
 
 def _config(arch: str, parallel: dict, sgd: bool, recompute: bool = False) -> Config:
@@ -137,7 +153,7 @@ def parity():
     """{(arch, layout): (rank 0's result, every rank's parameters)}: one spawn per world size."""
     out = {}
     for world in sorted({w for w, _, _ in LAYOUTS.values()}):
-        keys = [(a, name) for a in ARCHS for name, (w, _, _) in LAYOUTS.items() if w == world]
+        keys = [(a, name) for a, name in CASES if LAYOUTS[name][0] == world]
         cfgs = [_config(a, LAYOUTS[name][1], LAYOUTS[name][2], name in RECOMPUTE) for a, name in keys]
         for cfg in cfgs:
             validate(cfg, data=False)  # each layout passes the launcher's validation
@@ -147,8 +163,7 @@ def parity():
     return out
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(("arch", "layout"), CASES)
 def test_parallel_layouts_match_one_process(parity, arch, layout):
     cfg = _config(arch, LAYOUTS[layout][1], LAYOUTS[layout][2])
     ref = _reference(cfg)
@@ -166,11 +181,14 @@ def test_parallel_layouts_match_one_process(parity, arch, layout):
 
 # --- end to end: plait train, plait export, transformers' from_pretrained, model.weights -----------
 
-RUNS = {  # two 2-rank runs of 8 steps (checkpoints at 4 and 8)
+RUNS = {  # three 2-rank runs of 8 steps (checkpoints at 4 and 8)
     "llama": ("--model.source", "hf:llama", "--model.n_head", "4", "--model.n_kv_head", "2")
     + ("--parallel.dp", "1", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"),
     "gpt2": ("--model.source", "hf:gpt2", "--parallel.dp", "1", "--parallel.pp", "2"),
+    "gpt_neox": ("--model.source", "hf:gpt_neox", "--model.tie_weights", "false")
+    + ("--parallel.dp", "1", "--parallel.tp", "2"),
 }
+CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +260,7 @@ def test_export_loads_with_from_pretrained_and_gives_the_checkpoints_logits(
     out = export(runs[arch], tmp_path / "hf")
     assert json.loads((out / "config.json").read_text())["model_type"] == arch
     hf = AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[arch]
+    assert type(hf).__name__ == CLASSES[arch]
     with torch.no_grad():
         theirs = hf(_tokens()).logits
     torch.testing.assert_close(theirs, checkpoint_logits[arch], atol=1e-5, rtol=0)
@@ -293,8 +311,49 @@ def _bad(**keys) -> Config:
 
 BAD = {
     "unknown source": (
-        dict(model__source="hf:bert"),
-        r"model.source = 'hf:bert' is unknown; valid: plait, hf:gpt2",
+        dict(model__source="hf:nonexistent"),
+        r"model.source = 'hf:nonexistent' is unknown; valid: plait, hf:gpt2, hf:llama, hf:<causal LM",
+    ),
+    "no pp plan": (
+        dict(model__source="hf:bert", model__n_kv_head=None),
+        "model.source = 'hf:bert': transformers declares no base_model_pp_plan for BertLMHeadModel",
+    ),
+    "generic sequence parallel": (
+        dict(model__source="hf:mistral", parallel__tp=2, parallel__sequence_parallel=True),
+        "parallel.sequence_parallel = true is not available with model.source = 'hf:mistral'",
+    ),
+    "sliding window": (
+        dict(model__source="hf:mistral", model__hf_config='{"sliding_window": 8}'),
+        "sliding_window = 8 is shorter than model.seq_len = 16",
+    ),
+    "positions": (
+        dict(model__source="hf:qwen2", model__hf_config='{"max_position_embeddings": 8}'),
+        "model.seq_len = 16 exceeds the config's max_position_embeddings = 8",
+    ),
+    "kv heads on gpt_neox": (
+        dict(model__source="hf:gpt_neox"),
+        r"model.n_kv_head = 2 does not apply to hf:gpt_neox \(no grouped-query attention\)",
+    ),
+    "hf_config on gpt2": (
+        dict(model__source="hf:gpt2", model__n_kv_head=None, model__hf_config="{}"),
+        "model.hf_config = '{}' does not apply to hf:gpt2",
+    ),
+    "hf_config on plait": (
+        dict(model__source="plait", model__n_kv_head=None, model__hf_config="{}"),
+        "model.hf_config = '{}' applies to hf sources only",
+    ),
+    "hf_config not json": (dict(model__source="hf:qwen2", model__hf_config="{oops"), "not valid JSON"),
+    "hf_config not an object": (
+        dict(model__source="hf:qwen2", model__hf_config="/nonexistent/config.json"),
+        "model.hf_config = '/nonexistent/config.json': no such file",
+    ),
+    "unmapped tp style": (
+        dict(model__source="hf:minicpm3", model__n_kv_head=None, parallel__tp=2),
+        "splits layers.*.self_attn.kv_a_proj_with_mqa as 'mla_kv_a_proj', which plait does not map",
+    ),
+    "d_ff by tp": (
+        dict(model__source="hf:mistral", model__d_ff=33, parallel__tp=2),
+        "model.layers.0.mlp.gate_proj has 33 output features, not divisible by tp",
     ),
     "planned layout": (dict(parallel__plan="auto"), r"parallel.plan = 'auto' plans plait's own GPT"),
     "heads by tp": (
@@ -414,7 +473,119 @@ def test_config_counts_the_models_parameters_and_names_are_transformers(arch, ti
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     hf = hf_model_class(arch)(hf_model_config(cfg).to_hf_config())
     assert names == set(hf.state_dict())
-    assert (model.lm_head.weight is model.root.get_submodule(_EMBED[arch]).weight) == tie
+    assert (model.head.weight is model.root.get_submodule(model.parts.embedding).weight) == tie
 
 
-_EMBED = {"llama": "embed_tokens", "gpt2": "wte"}
+# --- the generic path: transformers' plan mapped onto plait's styles, model.hf_config, save_hf ----
+
+
+def _generic(arch: str, **model_keys):
+    cfg = _config(arch, {}, False)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model_keys))
+
+
+def test_generic_tp_plans_are_transformers_own_in_plaits_styles():
+    """GPT-NeoX's per-head fused query_key_value is a plain column split (whole heads per rank);
+    the embedding and head are vocabulary-parallel, the head sharing a tied embedding's shard."""
+    from plait.tp_plan import Colwise, Rowwise, VocabEmbedding, VocabHead
+
+    neox = _build(_config("gpt_neox", {}, False)).tp_plan()
+    layer = "gpt_neox.layers.*."
+    assert neox == {
+        "gpt_neox.embed_in": VocabEmbedding(dim="vocab"),
+        layer + "attention.query_key_value": Colwise(dim="heads"),
+        layer + "attention.dense": Rowwise(dim="heads"),
+        layer + "mlp.dense_h_to_4h": Colwise(dim="d_ff"),
+        layer + "mlp.dense_4h_to_h": Rowwise(dim="d_ff"),
+        "lm_head": VocabHead(tie=None, dim="vocab"),
+    }
+    mistral = _build(_config("mistral", {}, False)).tp_plan()
+    assert mistral["lm_head"] == VocabHead(tie="model.embed_tokens", dim="vocab")  # tied
+    assert mistral["model.layers.*.self_attn.k_proj"] == Colwise(dim="heads")
+    assert mistral["model.layers.*.mlp.down_proj"] == Rowwise(dim="d_ff")
+    assert len(mistral) == 9
+
+
+def test_transformers_styles_are_mapped_kept_replicated_or_refused():
+    from plait.models.hf_generic import Parts
+    from plait.models.hf_parallel import GradPartial, PlanError, generic_plan, plan_warning
+    from plait.tp_plan import Colwise, VocabEmbedding
+
+    cfg = _build(_config("qwen2", {}, False)).cfg
+    parts = Parts("model", ("embed_tokens",), "layers", "norm")
+    plan = generic_plan(
+        cfg,
+        parts,
+        {
+            "embed_tokens": "embedding_rowwise",
+            "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+            "layers.*.self_attn.qkv_proj": "colwise_gather_output",
+            "layers.*.self_attn.o_proj": "rowwise_split_input",
+            "layers.*.mlp.up_proj": "colwise",
+        },
+    )
+    assert plan["model.embed_tokens"] == VocabEmbedding(dim="vocab")
+    assert plan["model.layers.*.self_attn.q_norm"] == GradPartial(dim="heads")
+    assert plan["model.layers.*.mlp.up_proj"] == Colwise(dim="d_ff")
+    assert not any("qkv_proj" in k or "o_proj" in k for k in plan)  # replicated over tp
+    with pytest.raises(
+        PlanError, match=r"splits layers.\*.mlp.experts as 'grouped_gemm', which plait does not"
+    ):
+        generic_plan(cfg, parts, {"layers.*.mlp.experts": "grouped_gemm"})
+    assert list(generic_plan(cfg, parts, None)) == ["model.embed_tokens", "lm_head"]  # no plan: layers whole
+
+    class NoPlan:
+        base_model_tp_plan = None
+
+    assert "decoder layers are replicated over parallel.tp" in plan_warning(cfg, NoPlan())
+    assert plan_warning(cfg, _build(_config("qwen2", {}, False)).hf_config) == ""
+
+
+def test_hf_config_keys_inline_and_from_a_file(tmp_path):
+    """model.hf_config's keys reach the transformers config; [model]'s size keys override them,
+    unset ones are read from it."""
+    import json
+
+    model = _build(_generic("gpt_neox", hf_config='{"use_parallel_residual": false, "hidden_act": "relu"}'))
+    assert model.hf_config.use_parallel_residual is False and model.hf_config.hidden_act == "relu"
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"model_type": "qwen2", "hidden_size": 48, "num_hidden_layers": 3, "num_attention_heads": 6}
+        )
+    )
+    cfg = _generic("qwen2", hf_config=str(tmp_path), d_model=None, n_head=None, n_kv_head=None)
+    validate(cfg, data=False)
+    model = _build(cfg)
+    assert (model.cfg.d_model, model.cfg.n_head, model.cfg.n_layer) == (48, 6, 2)  # n_layer = 2 set
+    assert model.hf_config.hidden_size == 48 and len(model.layers) == 2
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_save_hf_of_a_generic_model_loads_with_from_pretrained(arch, tmp_path):
+    """The export's writer (plait.models.hf_weights.save_hf, as plait export calls it) on the
+    generic path: transformers' from_pretrained gives plait's logits (GPT-NeoX through plait export
+    of a run, above)."""
+    from transformers import AutoModelForCausalLM
+
+    from plait.models.hf_weights import save_hf
+
+    model = _build(_config(arch, {}, False)).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # away from the initialisation a fresh model would have
+            p.add_(0.01 * torch.randn_like(p))
+    state = {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
+    save_hf(model.cfg, state, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    x = _batches()[0][0]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), atol=1e-5, rtol=0)
+
+
+def test_a_forward_plait_cannot_drive_is_refused():
+    """Cohere scales its logits in its own forward (logit_scale): plait's layer-by-layer forward
+    would train another function, so the source is refused before any process starts."""
+    with pytest.raises(
+        ConfigError, match="plait's layer-by-layer forward does not reproduce CohereModel"
+    ) as info:
+        validate(_bad(model__source="hf:cohere"), data=False)
+    assert "\n" not in str(info.value)
