@@ -456,3 +456,38 @@ def test_stage_params_are_the_heaviest_stages_own_parameters(kw, pp):
     stages = split_gpt(model, pp) if pp > 1 else [model]
     heaviest = max(sum(p.numel() for p in s.parameters()) for s in stages)
     assert stage_params(cfg, Candidate(pp=pp)) == heaviest
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("n, f", [(8, 2), (8, 4), (6, 3)])
+def test_hybrid_sharding_reduce_scatters_in_a_shard_group_and_all_reduces_over_the_replicas(stage, n, f):
+    """Hybrid sharding (FSDP's HYBRID_SHARD, Zhao et al. 2023 §3.2): dp n = N/F replicas x shard
+    groups of F consecutive ranks (one node here: gpus_per_node = F). The gradient is a
+    reduce-scatter of Ψ over the F ranks on the node's link, then an all-reduce of each Ψ/F shard
+    over the N/F replicas on the link between nodes, one message per bucket (one 25 MB bucket;
+    ZeRO-3: a unit per block and the root); the parameters are gathered in the shard group, and
+    the step and the states are 1/F's. On a CPU node (cores) nothing hides: the exposed time is
+    the whole volume. The links differ by 20x in β and α, so a term on the wrong link is off by far."""
+    a_in, b_in, a_out, b_out, L = 1e-6, 100e9, 20e-6, 5e9, 4
+    cl = Cluster(
+        name="hand", gpus_per_node=f, peak_tflops=PEAK / 1e12, memory_gb=80.0, efficiency=1.0,
+        intra=Link(alpha_s=a_in, beta_bps=b_in), inter=Link(alpha_s=a_out, beta_bps=b_out),
+        memory_bw_gbps=MEM_BW / 1e9, cores=2,
+    )  # fmt: skip
+    psi = params_whole(96, L)
+    out, t = plan_of(Candidate(dp=n, zero_stage=stage, hybrid_shard=f, microbatch_size=2), cl)
+    msgs = L + 1 if stage == 3 else 1
+    rs = ring("reduce_scatter", psi * 2, f, a_in, b_in, messages=msgs)
+    ar = ring("all_reduce", psi * 2 / f, n // f, a_out, b_out, messages=msgs)
+    gather = ring("all_gather", psi * 2, f, a_in, b_in, messages=msgs)
+    assert t["dp_grad_s"] == pytest.approx(rs + ar, rel=EXACT)
+    gathers = 2 * gather if stage == 3 else gather  # ZeRO-3: forward and backward; 1-2: after the step
+    assert t["dp_exposed_s"] == pytest.approx(rs + ar + gathers, rel=EXACT)
+    assert t["optimizer_step_s"] == pytest.approx(2 * psi / f * 16 / MEM_BW, rel=EXACT)
+    shard = -(-psi // f)
+    states = {1: 4 * psi + 12 * shard, 2: 2 * psi + 14 * shard, 3: 16 * shard}[stage]
+    assert t["model_state_bytes"] == states
+    # the norm over the shard group and the loss over every data rank, a float64 each
+    norm = math.ceil(math.log2(f)) * a_in + 8 / b_in
+    loss = math.ceil(math.log2(n)) * a_out + 8 / b_out
+    assert t["step_sync_s"] == pytest.approx(norm + loss, rel=EXACT)

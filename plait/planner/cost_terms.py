@@ -104,6 +104,15 @@ class Setting:
     def data_link(self) -> Link:
         return self.links["dp"] if self.lo.dp > 1 else self.links["ep"]
 
+    @property
+    def shard_link(self) -> Link:
+        """The ZeRO shard group's link: under hybrid sharding its F consecutive dp ranks' (a node),
+        else the data axes'."""
+        lo = self.lo
+        if not lo.hybrid_shard:
+            return self.data_link
+        return axis_links(self.cluster, {"tp": lo.tp, "ep": lo.ep, "dp": lo.hybrid_shard})["dp"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Compute:
@@ -252,11 +261,7 @@ def data_parallel_term(st: Setting, psi: int, p_bytes: int, g_bytes: int, c: Com
         grad_t = st.ring(link_d, "all_reduce", psi * g_bytes, n_data, buckets)
         gather_t = 0.0
     else:
-        shard_link = (
-            axis_links(st.cluster, {"tp": lo.tp, "ep": lo.ep, "dp": shard})["dp"]
-            if lo.hybrid_shard
-            else link_d
-        )
+        shard_link = st.shard_link
         grad_t = st.ring(shard_link, "reduce_scatter", psi * g_bytes, shard, buckets)
         if lo.hybrid_shard and n_data > shard:  # the shards' all-reduce across the replicas
             grad_t += st.ring(link_d, "all_reduce", psi * g_bytes / shard, n_data // shard, buckets)
@@ -297,8 +302,8 @@ def step_sync_term(st: Setting, g_bytes: int) -> float:
             msgs = 2 * k + 1
         sync_t += st.ring(links["tp"], "all_reduce", partial, lo.tp, msgs)
     norm_axes = [(links["tp"], lo.tp), (links["pp"], lo.pp), (links["ep"], lo.ep)]
-    if lo.zero_stage >= 1:
-        norm_axes.append((st.data_link, shard))
+    if lo.zero_stage >= 1:  # over the shard group (hybrid sharding: within a node)
+        norm_axes.append((st.shard_link, shard))
     loss_link = links["pp"] if lo.pp > 1 else st.data_link  # pp outermost: the group spans the mesh
     for link, n in [*norm_axes, (loss_link, st.n_data * lo.pp)]:
         sync_t += st.scalar(link, n)
