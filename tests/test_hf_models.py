@@ -39,8 +39,9 @@ ARCHS = {
     "gpt_neox": dict(source="hf:gpt_neox", tie_weights=False),  # query_key_value fused per head
     "mistral": dict(source="hf:mistral", n_kv_head=2),  # tied
     "qwen2": dict(source="hf:qwen2", n_kv_head=2, tie_weights=False),  # q, k, v with biases
+    "qwen3": dict(source="hf:qwen3", n_kv_head=2),  # per-head q_norm / k_norm: GradPartial under tp
 }
-GENERIC = ("gpt_neox", "mistral", "qwen2")
+GENERIC = ("gpt_neox", "mistral", "qwen2", "qwen3")
 # name: (ranks, parallel keys, sgd without clipping)
 LAYOUTS = {
     "dp2": (2, dict(dp=2), False),
@@ -58,6 +59,7 @@ RECOMPUTE = ("dp2xtp2-zero3-recompute",)  # with train.activation_checkpointing
 # its 2-rank layouts only, to keep the suite's time)
 OWN_LAYOUTS = tuple(n for n in LAYOUTS if n != "tp2")  # tp2 with sequence parallelism instead
 ARCH_LAYOUTS = {a: ("dp2", "tp2", "zero3", "pp2") if a in GENERIC else OWN_LAYOUTS for a in ARCHS}
+ARCH_LAYOUTS["qwen3"] = ("tp2",)  # what it adds to qwen2's: the replicated_with_grad_allreduce style
 CASES = [(a, name) for a in ARCHS for name in ARCH_LAYOUTS[a]]
 
 
@@ -548,16 +550,14 @@ def test_hf_config_keys_inline_and_from_a_file(tmp_path):
 
     model = _build(_generic("gpt_neox", hf_config='{"use_parallel_residual": false, "hidden_act": "relu"}'))
     assert model.hf_config.use_parallel_residual is False and model.hf_config.hidden_act == "relu"
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            {"model_type": "qwen2", "hidden_size": 48, "num_hidden_layers": 3, "num_attention_heads": 6}
-        )
-    )
+    keys = {"model_type": "qwen2", "hidden_size": 48, "num_hidden_layers": 3, "num_attention_heads": 6}
+    (tmp_path / "config.json").write_text(json.dumps({**keys, "torch_dtype": "bfloat16"}))
     cfg = _generic("qwen2", hf_config=str(tmp_path), d_model=None, n_head=None, n_kv_head=None)
     validate(cfg, data=False)
     model = _build(cfg)
     assert (model.cfg.d_model, model.cfg.n_head, model.cfg.n_layer) == (48, 6, 2)  # n_layer = 2 set
     assert model.hf_config.hidden_size == 48 and len(model.layers) == 2
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the file's dtype is not plait's
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2"])

@@ -201,7 +201,8 @@ def _generic_config(c: HFConfig):
     from transformers import AutoConfig
 
     base = read_hf_config(c.hf_config)
-    base.pop("model_type", None)
+    for key in ("model_type", "dtype", "torch_dtype"):  # parameters are fp32 (train.bf16 is autocast)
+        base.pop(key, None)
     default = default_hf_config(c.arch)
     sizes = {
         "num_hidden_layers": c.n_layer,
