@@ -192,3 +192,31 @@ def test_a_pipeline_loss_fn_is_refused_where_it_cannot_run():
     for wrong in (lambda m, b: m(b[0]) + m(b[0]), lambda m, b: m(b[1]), lambda m, b: m.layers):
         with pytest.raises(ConfigError, match="loss_fn.model, batch. runs on the last stage"):
             pipeline_stages(model, uneven, lambda m, b, w=wrong: w(m, b).sum(), 2)[-1](h, (x, y))
+
+
+def test_share_over_axis_keeps_every_shape_dtype_and_order():
+    """The pipeline's gather of full_parameters on one rank (the collectives are then copies):
+    what this rank sends comes back with its shape, dtype and values, in the owners' order; a name
+    no rank sends is left out; what cannot be sent is refused."""
+    import types
+
+    from plait.errors import PipelineError
+    from plait.pipeline.gather import MAX_DIMS, share_over_axis
+
+    mesh = types.SimpleNamespace(rank=lambda axis: 0, size=lambda axis: 1, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    mine = {
+        "b.scalar": torch.tensor(2.5),
+        "a.w": torch.randn(3, 4, generator=g),
+        "c.half": torch.randn(5, generator=g).to(torch.bfloat16),
+        "d.wide": torch.randn(*([1] * (MAX_DIMS - 1)), 2, generator=g, dtype=torch.float64),
+    }
+    owners = [("b.scalar", 0), ("gone", 1), ("a.w", 0), ("c.half", 0), ("d.wide", 0)]
+    out = share_over_axis(mine, owners, mesh, "pp")
+    assert list(out) == ["b.scalar", "a.w", "c.half", "d.wide"]
+    for name, t in out.items():
+        want = mine[name]
+        assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want), name
+    for bad in (torch.zeros(*([1] * (MAX_DIMS + 1))), torch.zeros(2, dtype=torch.int64)):
+        with pytest.raises(PipelineError, match="pipelines gather floating-point parameters"):
+            share_over_axis({"x": bad}, [("x", 0)], mesh, "pp")
