@@ -20,6 +20,9 @@ parallelism, Korthikanti et al. 2022). ``dim`` names the tensor dim a style spli
 * `PositionSharded()`: a position embedding that returns the rows of the rank's sequence shard.
 * `ExpertsReplicated()`: a mixture-of-experts MLP kept whole on every tp rank (its experts are
   split over ep, not tp).
+* `LocalWidths("n_head", "n_embd")`: a module (an attention written against its own sizes) whose
+  integer attributes count what tp splits: each becomes the rank's share (n_head 12 at tp 4: 3).
+  Its code must then take every width from them or from its tensors' shapes, never from a config.
 """
 
 from __future__ import annotations
@@ -77,3 +80,15 @@ class ExpertsReplicated:
     (the module's ``loss_share``)."""
 
     dim: str | None = None
+
+
+@dataclasses.dataclass
+class LocalWidths:
+    """The module's integer attributes `attrs` (head counts, widths) become the rank's share under
+    tp: ``LocalWidths("n_head", "n_embd")`` on nanoGPT's attention."""
+
+    attrs: tuple[str, ...] = ()
+    dim: str | None = "heads"
+
+    def __init__(self, *attrs: str, dim: str | None = "heads") -> None:
+        self.attrs, self.dim = tuple(attrs), dim

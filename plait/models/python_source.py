@@ -169,6 +169,7 @@ def build_python_model(spec: str, args: ModelArgs) -> nn.Module:
         return PythonModel(module, args, **extras)
     if extras.get("tp_plan") is not None:
         module.tp_plan = lambda plan=extras["tp_plan"]: plan
+        module.tp_plan_source = PythonModel.tp_plan_source
     if extras.get("blocks") is not None:
         module.plait_blocks = lambda blocks=list(extras["blocks"]): blocks
     if extras.get("pipeline_split") is not None:
@@ -214,6 +215,8 @@ class PythonModel(nn.Module):
     The user's module is `self.net`, so its parameters are named `net.<its names>` in
     checkpoints, and its plan's patterns (and a `VocabHead`'s `tie`) are prefixed the same way.
     """
+
+    tp_plan_source = "the factory's tp_plan"  # how plait verify names where a rule came from
 
     def __init__(
         self,

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from plait.parity.localise import finding_line, localise
+
 EPS32 = float(torch.finfo(torch.float32).eps)
 FLOOR_MARGIN = 4.0  # a gradient's error must clear its rounding floor by this factor to differ
 SHOW = 5  # differing parameters listed per layout
@@ -123,7 +125,56 @@ def compare(ref: Trace, run: Trace, tol: float) -> dict:
                 where = f"the gradient norm of step {k}"
             elif row["param_rel_max"] > tol:
                 where = f"the parameters after step {k}"
-    return {"holds": not where, "where": where, "steps": steps, "differing": differing}
+    result = {"holds": not where, "where": where, "steps": steps, "differing": differing}
+    ref_modules, run_modules = getattr(ref, "modules", None), getattr(run, "modules", None)
+    if where and ref_modules and run_modules:
+        found = localise(ref_modules, run_modules, tol, steps[0]["loss_rel"])
+        if found is not None:
+            result["localised"] = found
+            result["where"] = finding_line(found)
+        for d in differing:  # the module each differing parameter belongs to, and its rule
+            d["module"] = owner(d["name"], run_modules)
+    return result
+
+
+def owner(param: str, records: list[dict]) -> str:
+    """`blocks.1.ln_2: rule none, replicated over tp` for `blocks.1.ln_2.weight`."""
+    rules: dict = {}
+    for r in records:
+        rules.update(r.get("rules", {}))
+    module = param.rpartition(".")[0]
+    tp = max(int(r["where"]["tp"][1]) for r in records)
+    rule = rules.get(module, {}).get("rule") or ("none, replicated over tp" if tp > 1 else "")
+    return f"{module}: rule {rule}" if rule else module
+
+
+def failed_result(exc, failures: list[dict]) -> dict:
+    """The verdict of a layout whose run failed: the rank that failed first, its exception, and
+    the module whose forward or backward raised it with its rule (`failures`: the ranks'
+    `plait.train.module_record.write_failure` records; `exc` a RankFailure, or a message)."""
+    texts = getattr(exc, "failures", {}) or {}
+    first = min(failures, key=lambda f: f.get("time", 0.0)) if failures else {}
+    rank = first.get("rank", min(texts) if texts else None)
+    failed = {
+        "rank": rank,
+        "exception": first.get("exception") or _last_line(texts.get(rank, str(exc))),
+        "module": first.get("module"),
+        "phase": first.get("phase"),
+        "kind": first.get("kind", ""),
+        "rule": first.get("rule", ""),
+        "traceback": texts.get(rank, str(exc)),
+    }
+    where = f"rank {rank} failed" if rank is not None else "the run failed"
+    if failed["module"]:
+        rule = f"; rule: {failed['rule']}" if failed["rule"] else ""
+        where += f" in the {failed['phase']} of {failed['module']} ({failed['kind']}{rule})"
+    where += f": {failed['exception']}"
+    return {"holds": False, "where": where, "steps": [], "differing": [], "failed": failed}
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
 
 
 def verdict_line(name: str, result: dict) -> str:
@@ -135,12 +186,17 @@ def verdict_line(name: str, result: dict) -> str:
     )
     if result["holds"]:
         return f"{name}: holds (largest relative error {worst:.1e}; gradients within tolerance at every step)"
+    if result.get("failed"):
+        return f"{name}: fails: {result['where']}"
+    if result.get("localised"):
+        return f"{name}: differs at {result['where']}"
     if result["differing"]:
         d = result["differing"][0]
         more = len([x for x in result["differing"] if x["step"] == d["step"]]) - 1
         others = f", and {more} more" if more else ""
+        module = f"; module {d['module']}" if d.get("module") and ":" in d["module"] else ""
         return (
             f"{name}: differs at {d['name']} (step {d['step']}: gradient relative error {d['rel']:.2e}"
-            f"{others}; placement: {d['placement']})"
+            f"{others}; placement: {d['placement']}{module})"
         )
     return f"{name}: differs at {result['where']} (largest relative error {worst:.1e})"

@@ -10,7 +10,7 @@ from pathlib import Path
 from plait.combinations import refuse
 from plait.errors import ConfigError
 from plait.layout import Job, Layout, check
-from plait.parity.compare import compare, verdict_line
+from plait.parity.compare import compare, failed_result, verdict_line
 from plait.parity.measured import measured
 from plait.parity.report import Report
 from plait.parity.runs import (
@@ -107,7 +107,10 @@ def verify_config(req: Request) -> Report:
         try:
             trace = read_trace(name, progress.run(name, cfg, req.out), cfg, initial)
         except ConfigError as exc:  # the run failed: a verdict, not the end of the others
-            report.add(name, _keys(cfg), {"holds": False, "where": str(exc), "steps": [], "differing": []})
+            result = failed_result(exc, getattr(exc, "records", []))
+            report.add(name, _keys(cfg), result)
+            if not req.quiet:
+                print(f"plait verify: {verdict_line(name, result)}", file=sys.stderr, flush=True)
             continue
         result = compare(ref, trace, tol)
         report.add(name, _keys(cfg), result, measured(cfg, trace, cluster))

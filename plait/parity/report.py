@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import threading
 from pathlib import Path
 
 from plait.parity.compare import verdict_line
+
+_PLOT = threading.Lock()
 
 
 @dataclasses.dataclass
@@ -65,10 +68,13 @@ class Report:
                 k: max((r[k] for r in s), default=0.0) for k in ("loss_rel", "grad_norm_rel", "param_rel_max")
             }
             grads = max((r["grad_rel_max"] for r in s), default=0.0)
-            verdict = "holds" if lay["holds"] else f"differs at `{lay['where']}`"
+            if lay.get("failed") or not s:  # no step to compare: no error figures
+                lines.append(f"| {code(lay['name'])} | fails: {cell(lay['where'])} | - | - | - | - |")
+                continue
+            verdict = "holds" if lay["holds"] else f"differs at {code(lay['where'])}"
             lines.append(
-                f"| `{lay['name']}` | {verdict} | {worst['loss_rel']:.1e} | {worst['grad_norm_rel']:.1e} | "
-                f"{grads:.1e} | {worst['param_rel_max']:.1e} |"
+                f"| {code(lay['name'])} | {verdict} | {worst['loss_rel']:.1e} | "
+                f"{worst['grad_norm_rel']:.1e} | {grads:.1e} | {worst['param_rel_max']:.1e} |"
             )
         lines += [
             "",
@@ -78,13 +84,47 @@ class Report:
         for lay in self.layouts:
             lines += _layout_section(lay)
         if self.notes:
-            lines += ["## Notes", ""] + [f"- {n}" for n in self.notes] + [""]
+            lines += ["## Notes", ""] + [f"- {cell(n)}" for n in self.notes] + [""]
         lines += ["![per-step relative error](errors.png)", ""]
         return "\n".join(lines)
 
 
+def cell(text) -> str:
+    """`text` safe in a markdown table cell: one line, its pipes escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def code(text) -> str:
+    """`text` as inline code in a table cell (a backtick in it: plain, escaped)."""
+    text = cell(text)
+    return f"`{text}`" if "`" not in text else text
+
+
+def _failure_section(lay: dict) -> list[str]:
+    f = lay["failed"]
+    lines = [f"## {code(lay['name'])}", "", verdict_line(lay["name"], lay), ""]
+    if f.get("module"):
+        lines += [
+            f"The {f['phase']} of `{f['module']}` ({f['kind']}) raised it on rank {f['rank']}"
+            + (f"; its rule: {f['rule']}." if f.get("rule") else "; it has no tensor-parallel rule."),
+            "",
+        ]
+    fence = "````" if "```" in f.get("traceback", "") else "```"
+    return lines + [f"Rank {f['rank']}'s traceback:", "", fence, f.get("traceback", "").rstrip(), fence, ""]
+
+
 def _layout_section(lay: dict) -> list[str]:
-    lines = [f"## `{lay['name']}`", "", verdict_line(lay["name"], lay), ""]
+    if lay.get("failed"):
+        return _failure_section(lay)
+    lines = [f"## {code(lay['name'])}", "", verdict_line(lay["name"], lay), ""]
+    found = lay.get("localised")
+    if found:
+        lines += [
+            f"Step 1, module by module: the first difference is in `{found['module']}` ({found['what']}; "
+            f"relative error {found['error']:.2e}){'; ' + found['rule'] if found.get('rule') else ''}."
+            + (f" {found['note']}." if found.get("note") else ""),
+            "",
+        ]
     lines += [
         "| step | loss | loss (1 process) | rel | grad norm rel | worst gradient rel (floor) "
         "| parameters rel |",
@@ -98,14 +138,17 @@ def _layout_section(lay: dict) -> list[str]:
         )
     if lay["differing"]:
         lines += ["", f"First step whose gradients differ: {lay['differing'][0]['step']}.", ""]
-        lines += ["| parameter | gradient rel | placement |", "|---|---|---|"]
-        lines += [f"| `{d['name']}` | {d['rel']:.2e} | {d['placement']} |" for d in lay["differing"]]
+        lines += ["| parameter | gradient rel | placement | module |", "|---|---|---|---|"]
+        lines += [
+            f"| {code(d['name'])} | {d['rel']:.2e} | {cell(d['placement'])} | {cell(d.get('module', ''))} |"
+            for d in lay["differing"]
+        ]
     measured = lay.get("measured") or {}
     if measured:
         lines += ["", "| measured | this run | expected | ratio |", "|---|---|---|---|"]
         for row in measured.get("rows", []):
             ratio = f"{row['ratio']:.2f}" if row.get("ratio") is not None else "-"
-            lines.append(f"| {row['what']} | {row['got']} | {row['want']} | {ratio} |")
+            lines.append(f"| {cell(row['what'])} | {cell(row['got'])} | {cell(row['want'])} | {ratio} |")
     return lines + [""]
 
 
@@ -126,6 +169,11 @@ def plot_errors(report: Report, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    with _PLOT:  # pyplot's state is global: two reports written from two threads would mix
+        _plot(report, path, plt)
+
+
+def _plot(report: Report, path: Path, plt) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for lay in report.layouts:
         steps = [r["step"] for r in lay["steps"]]

@@ -28,6 +28,7 @@ from plait.train.checkpoint import step_checkpoints
 from plait.train.config import Config, set_key, validate
 from plait.train.export import read_model_state
 from plait.train.metrics import read_metrics
+from plait.train.module_record import read as read_records
 
 # The parallel keys a layout may set (`--layouts dp=2+zero_stage=3`), and train.micro_batches.
 LAYOUT_KEYS = (
@@ -67,6 +68,7 @@ def verify_keys(steps: int, lr: float) -> list[tuple[str, object]]:
         ("train.eval_batches", 1),
         ("train.sample_tokens", 0),
         ("log.placements", True),
+        ("log.modules", True),
         ("log.tensorboard", False),
         ("parallel.plan", "manual"),
         ("parallel.world", 0),
@@ -160,11 +162,24 @@ def run_one(name: str, cfg: Config, out: Path, timeout: float = 900) -> Path:
         except subprocess.TimeoutExpired:
             raise ConfigError(f"verify: the run {name} took over {timeout:.0f} s; see {log}") from None
     if proc.returncode != 0:
-        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-        raise ConfigError(
-            f"verify: the run {name} failed (exit {proc.returncode}): {' | '.join(tail)}; see {log}"
+        lines = log.read_text(errors="replace").strip().splitlines()
+        raise RunFailed(
+            f"verify: the run {name} failed (exit {proc.returncode}): {' | '.join(lines[-3:])}; see {log}",
+            "\n".join(lines[-60:]),
+            read_records(run_dir / "modules")[1] if (run_dir / "modules").is_dir() else [],
         )
     return run_dir
+
+
+class RunFailed(ConfigError):
+    """A layout's `plait train` exited non-zero: `log` is its output's end, `records` the ranks'
+    failure records (the module each failing rank was in, `plait.train.module_record`)."""
+
+    def __init__(self, message: str, log: str, records: list[dict]) -> None:
+        super().__init__(message)
+        first = min(records, key=lambda f: f.get("time", 0.0)) if records else {}
+        self.records = records
+        self.failures = {first.get("rank", 0): log}  # what `failed_result` shows as the traceback
 
 
 def initial_parameters(cfg: Config) -> dict[str, torch.Tensor]:
@@ -208,6 +223,8 @@ def read_trace(name: str, run_dir: Path, cfg: Config, initial: dict[str, torch.T
         placements,
     )
     trace.records = [by_step[k] for k in range(1, steps + 1)]  # for the measured figures
+    if (run_dir / "modules").is_dir():  # step 1 module by module (log.modules): localisation
+        trace.modules = read_records(run_dir / "modules")[0]
     trace.local_params = local
     return trace
 

@@ -9,6 +9,7 @@ The differentiable collectives they are built from live in `plait.comm.autograd`
 from plait.tensor_parallel.apply import (
     Colwise,
     ExpertsReplicated,
+    LocalWidths,
     ParallelRandom,
     PositionSharded,
     Rowwise,
@@ -38,6 +39,7 @@ __all__ = [
     "krizhevsky_comm",
     "Colwise",
     "ExpertsReplicated",
+    "LocalWidths",
     "ParallelRandom",
     "PositionSharded",
     "Rowwise",

@@ -20,6 +20,8 @@ of `plait.tp_plan` (a model declares its plan with them and imports nothing of t
 * `PositionSharded()`: under sequence parallelism the embedding returns its shard's positions.
 * `ExpertsReplicated()`: a mixture-of-experts MLP kept whole; under sequence parallelism forward
   hooks gather its input sequences and cut its output back to the rank's shard.
+* `LocalWidths("n_head", ...)`: a module whose code reads its sizes from its own attributes
+  (an attention module's ``self.n_head``) gets each divided by tp: the rank's share.
 
 A style of any other type applies itself (``style.apply(name, module, ctx)``), as a model-specific
 one may (`plait.models.hf_parallel.LocalHeads`).
@@ -59,6 +61,7 @@ from plait.tensor_parallel.rng import ParallelRNG, run_on_parallel_stream
 from plait.tp_plan import (
     Colwise,
     ExpertsReplicated,
+    LocalWidths,
     ParallelRandom,
     PositionSharded,
     Rowwise,
@@ -227,6 +230,23 @@ def _experts_replicated(style: ExpertsReplicated, name: str, m: nn.Module, ctx: 
     return m
 
 
+def _local_widths(style: LocalWidths, name: str, m: nn.Module, ctx: _Ctx) -> nn.Module:
+    """Each named size attribute becomes this rank's share, so the module's own code, reading
+    ``self.n_head``, computes on the heads (or features) its split layers hold."""
+    t = ctx.mesh.size(ctx.axis)
+    for attr in style.attrs:
+        value = getattr(m, attr, None)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(
+                f"plan: {name} ({type(m).__name__}) has no integer attribute {attr!r} for LocalWidths; "
+                f"its integer attributes: {sorted(k for k, v in vars(m).items() if type(v) is int)}"
+            )
+        if value % t:
+            raise ConfigError(f"plan: {name}.{attr} = {value} does not split over tp = {t}")
+        setattr(m, attr, value // t)
+    return m
+
+
 APPLY = {
     Colwise: _colwise,
     Rowwise: _rowwise,
@@ -236,6 +256,7 @@ APPLY = {
     SequenceSharded: _sequence_sharded,
     PositionSharded: _position_sharded,
     ExpertsReplicated: _experts_replicated,
+    LocalWidths: _local_widths,
 }
 """How each style of `plait.tp_plan` is applied: ``fn(style, name, module, ctx) -> module``. A
 style of another type applies itself: ``style.apply(name, module, ctx)``."""
@@ -286,10 +307,14 @@ def apply_tp(
                 "name pattern: style}} or give the model a tp_plan() method returning one"
             )
         plan = model.tp_plan()
+        source = f"the model's plan ({getattr(model, 'tp_plan_source', type(model).__name__ + '.tp_plan()')})"
+    else:
+        source = "the tp_plan passed in"
     plan = _apply_rules(plan, rules, axis, sequence_parallel)
     rng = ParallelRNG(seed, mesh.rank(axis), mesh.device)
     ctx = _Ctx(mesh, axis, sequence_parallel, seq_dim, rng, model)
     names = [n for n, _ in model.named_modules() if n]
+    rules_seen = model.__dict__.setdefault("_plait_tp_rules", {})
     for pattern, style in plan.items():
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not matched:
@@ -298,11 +323,29 @@ def apply_tp(
             old = model.get_submodule(name)
             fn = APPLY.get(type(style))
             new = fn(style, name, old, ctx) if fn is not None else style.apply(name, old, ctx)
+            rules_seen[name] = {  # what plait verify names, and how it reassembles the outputs
+                "rule": f"{style_text(style)} from {source}",
+                "fused": getattr(style, "fused", 1),
+                "splits_output": isinstance(style, (Colwise, VocabHead))
+                and not getattr(style, "gather_output", False),
+            }
             if new is not old:
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, new)
     model._plait_tp = (mesh, axis, rng)
     return model
+
+
+def style_text(style) -> str:
+    """A style as its class and the fields it sets away from their defaults: ``Colwise(fused=3)``."""
+    if not dataclasses.is_dataclass(style):
+        return repr(style)
+    fields = [
+        f"{f.name}={getattr(style, f.name)!r}"
+        for f in dataclasses.fields(style)
+        if f.name != "dim" and getattr(style, f.name) != f.default
+    ]
+    return f"{type(style).__name__}({', '.join(fields)})"
 
 
 def plan_dims(plan: dict) -> list[str]:

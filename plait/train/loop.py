@@ -33,6 +33,7 @@ from plait.train.checkpointer import make_checkpointer
 from plait.train.config import Config, model_config
 from plait.train.hooks import named_hook
 from plait.train.metrics import MetricsWriter
+from plait.train.module_record import first_step, where_on
 from plait.train.nonfinite import (
     DIVERGED,
     agree_finite,
@@ -153,7 +154,11 @@ def _train(
     for step in range(run.start + 1, run.last + 1):
         if hook is not None:
             hook(step=step, rank=mesh.global_rank, cfg=cfg, engine=engine)
-        record = _train_step(run, step)
+        if step == 1:  # a failure names its module; log.modules records the step for plait verify
+            with first_step(run.raw, where_on(mesh), _modules_dir(run), mesh.global_rank):
+                record = _train_step(run, step)
+        else:
+            record = _train_step(run, step)
         loss = record["loss"]
         guard_nonfinite(run, step, record)
         guard_last_step(run, step, record)
@@ -195,6 +200,10 @@ def _train(
     engine.close()
     run.checkpointer.close()
     return summary
+
+
+def _modules_dir(run: Run) -> Path | None:
+    return run.run_dir / "modules" if run.cfg.log.modules else None
 
 
 def _save(run: Run, step: int) -> dict:

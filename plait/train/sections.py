@@ -91,6 +91,11 @@ class LogConfig:
     placements: bool = _f(
         False, "write <run_dir>/placements/rank_R.json: where the layout put each parameter of rank R"
     )
+    modules: bool = _f(
+        False,
+        "write <run_dir>/modules/rank_R.*: every module's input, output and their gradients at step 1 "
+        "(plait verify names the first module that differs from them; sized like the step's activations)",
+    )
 
 
 @dataclasses.dataclass
