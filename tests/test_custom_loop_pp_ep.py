@@ -189,7 +189,12 @@ def test_a_pipeline_loss_fn_is_refused_where_it_cannot_run():
     x, y = _batches()[0]
     h = model[:1](x)
     torch.testing.assert_close(last(h, (x, y)), seq_loss(model, (x, y)))  # the same loss as one process
-    for wrong in (lambda m, b: m(b[0]) + m(b[0]), lambda m, b: m(b[1]), lambda m, b: m.layers):
+    copied = pipeline_stages(model, uneven, lambda m, b: seq_loss(lambda ids: m(ids.clone()), b), 2)[-1]
+    torch.testing.assert_close(copied(h, (x, y)), seq_loss(model, (x, y)))  # equal inputs, not the same
+    with pytest.raises(ConfigError, match=r"needs a scalar loss, got \(8, 16\)"):
+        pipeline_stages(model, uneven, lambda m, b: m(b[0]).mean(-1), 2)[-1](h, (x, y))
+    wrongs = (lambda m, b: m(b[0]) + m(b[0]), lambda m, b: m(b[1]), lambda m, b: m.layers, lambda m, b: m(*b))
+    for wrong in wrongs:
         with pytest.raises(ConfigError, match="loss_fn.model, batch. runs on the last stage"):
             pipeline_stages(model, uneven, lambda m, b, w=wrong: w(m, b).sum(), 2)[-1](h, (x, y))
 
