@@ -132,7 +132,11 @@ def test_bad_layouts_are_refused_before_any_process():
 FACTORIES = textwrap.dedent(
     '''
     """A user's factories for tests/test_verify.py."""
+    import torch.nn.functional as F
+    from torch import nn
+
     from plait.models import GPT, gpt_config
+    from plait.tensor_parallel import Colwise, LocalWidths, Rowwise
 
 
     def _gpt(args):
@@ -147,6 +151,33 @@ FACTORIES = textwrap.dedent(
         net = _gpt(args)
         plan = net.tp_plan()
         plan["blocks.0.ln_2"] = plan.pop("blocks.*.ln_2")
+        return net, {"tp_plan": plan}
+
+
+    def make_gpt_wrong_fused(args):  # [q | k | v] split as one block: fused=3 forgotten
+        net = _gpt(args)
+        plan = net.tp_plan()
+        plan["blocks.*.attn.qkv"] = Colwise(dim="heads")
+        return net, {"tp_plan": plan}
+
+
+    class Attention(nn.Module):  # nanoGPT's: its head size from the whole width it is given
+        def __init__(self, d, n_head):
+            super().__init__()
+            self.n_head, self.n_embd = n_head, d
+            self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+            q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+    def make_config_widths(args):
+        net = nn.Sequential(nn.Embedding(args.vocab_size, 32), Attention(32, 4), nn.Linear(32, args.vocab_size))
+        plan = {"1": LocalWidths("n_head", "n_embd"), "1.c_attn": Colwise(fused=3), "1.c_proj": Rowwise()}
         return net, {"tp_plan": plan}
     '''
 )
@@ -169,6 +200,10 @@ def test_the_command_on_a_factory_and_a_llama(tmp_path, monkeypatch):
         "llama": lambda: _verify(tmp_path, "llama", *llama, "--layouts", "dp=2+zero_stage=3,tp=2+dp=2"),
         "wrong": lambda: _verify(tmp_path, "wrong", src, "python:verify_factories:make_gpt_unmarked_norm",
                                  "--layouts", "tp=2+sequence_parallel=true", env=env),
+        "fused": lambda: _verify(tmp_path, "fused", src, "python:verify_factories:make_gpt_wrong_fused",
+                                 "--layouts", "tp=2", env=env),
+        "widths": lambda: _verify(tmp_path, "widths", src, "python:verify_factories:make_config_widths",
+                                  "--layouts", "tp=2", env=env),
     }  # fmt: skip
     done = side_by_side(jobs, lanes=2)
     for name in ("python", "llama"):
@@ -184,7 +219,23 @@ def test_the_command_on_a_factory_and_a_llama(tmp_path, monkeypatch):
     out, proc = done["wrong"]
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "tp=2+sequence_parallel=true: differs at blocks.1.ln_2." in proc.stdout
-    assert "placement: replicated" in proc.stdout
+    assert "placement: replicated; module blocks.1.ln_2: rule none, replicated over tp)" in proc.stdout
+    # a forward-path fault: the layer its rule splits wrongly, not the worst gradient downstream
+    out, proc = done["fused"]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.startswith(
+        "tp=2: differs at blocks.0.attn.qkv (forward: its split output is read wrongly on the way to "
+        "blocks.0.attn.core, step 1; rule: Colwise() from the factory's tp_plan)"
+    ), proc.stdout
+    assert "the first difference is in `blocks.0.attn.qkv`" in (out / "report.md").read_text()
+    # a crash at the first forward: the module and what to change, in the verdict and the report
+    out, proc = done["widths"]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "tp=2: fails: rank " in proc.stdout and "failed in the forward of net.1 (Attention)" in proc.stdout
+    report = json.loads((out / "report.json").read_text())["layouts"][0]["failed"]
+    assert report["module"] == "net.1" and "LocalWidths('n_head', 'n_embd')" in report["traceback"]
+    md = (out / "report.md").read_text()
+    assert "| `tp=2` | fails: " in md and md.count("\n| `tp=2` |") == 1
 
 
 @pytest.mark.parametrize(

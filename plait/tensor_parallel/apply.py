@@ -307,7 +307,7 @@ def apply_tp(
                 "name pattern: style}} or give the model a tp_plan() method returning one"
             )
         plan = model.tp_plan()
-        source = f"the model's plan ({getattr(model, 'tp_plan_source', type(model).__name__ + '.tp_plan()')})"
+        source = getattr(model, "tp_plan_source", f"the model's plan ({type(model).__name__}.tp_plan())")
     else:
         source = "the tp_plan passed in"
     plan = _apply_rules(plan, rules, axis, sequence_parallel)
