@@ -176,7 +176,8 @@ FACTORIES = textwrap.dedent(
 
 
     def make_config_widths(args):
-        net = nn.Sequential(nn.Embedding(args.vocab_size, 32), Attention(32, 4), nn.Linear(32, args.vocab_size))
+        emb, head = nn.Embedding(args.vocab_size, 32), nn.Linear(32, args.vocab_size)
+        net = nn.Sequential(emb, Attention(32, 4), head)
         plan = {"1": LocalWidths("n_head", "n_embd"), "1.c_attn": Colwise(fused=3), "1.c_proj": Rowwise()}
         return net, {"tp_plan": plan}
     '''
