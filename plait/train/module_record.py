@@ -189,9 +189,9 @@ class ModuleRecorder:
         """The recorded modules whose outputs `x` was computed from, nearest first (through code
         that is no module's: a split, a reshape, attention written as a function)."""
         found: list[str] = []
-        todo, seen = [x.grad_fn], set()
+        todo, seen = collections.deque([x.grad_fn]), set()
         while todo and len(seen) < MAX_NODES:
-            node = todo.pop(0)
+            node = todo.popleft()
             if node is None or node in seen:
                 continue
             seen.add(node)
