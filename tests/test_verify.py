@@ -232,7 +232,8 @@ def test_the_command_on_a_factory_and_a_llama(tmp_path, monkeypatch):
     # a crash at the first forward: the module and what to change, in the verdict and the report
     out, proc = done["widths"]
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "tp=2: fails: rank " in proc.stdout and "failed in the forward of net.1 (Attention)" in proc.stdout
+    assert "tp=2: fails: rank " in proc.stdout
+    assert "failed in the forward of net.1 (Attention; rule: LocalWidths(" in proc.stdout
     report = json.loads((out / "report.json").read_text())["layouts"][0]["failed"]
     assert report["module"] == "net.1" and "LocalWidths('n_head', 'n_embd')" in report["traceback"]
     md = (out / "report.md").read_text()
