@@ -251,6 +251,39 @@ class RuntimeConfig:
 
 
 @dataclasses.dataclass
+class DilocoConfig:
+    """DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): diloco.replicas groups each train
+    alone for diloco.inner_steps steps, then average their parameter change (the pseudo-gradient)
+    and take an outer step; a group is one dp replica, and inside it every layout works
+    (docs/diloco.md)."""
+
+    inner_steps: int = _f(0, "H: inner steps between synchronisations (0 = DiLoCo off)")
+    replicas: int = _f(0, "M: replica groups (0 = parallel.dp: one per dp rank); must divide parallel.dp")
+    outer_optimizer: str = _f("nesterov", "the outer step on the averaged pseudo-gradient: nesterov or sgd")
+    outer_lr: float = _f(0.7, "outer learning rate (the paper's 0.7)")
+    outer_momentum: float = _f(0.9, "outer momentum (the paper's 0.9; 0 = none)")
+    fragments: int = _f(
+        1, "Streaming DiLoCo: the model's blocks cut into this many fragments, synced at staggered steps"
+    )
+    overlap_steps: int = _f(
+        0, "Streaming's tau: a fragment's exchange runs under this many inner steps before it is merged"
+    )
+    mix: float = _f(
+        0.0, "Streaming's alpha: merged = alpha x local + (1 - alpha) x outer-updated (0 = take the outer)"
+    )
+    compression: str = _f(
+        "none", "the outer exchange: none (fp32), fp16, bf16, or plait.comm's onebit, topk, powersgd"
+    )
+    fault_tolerant: bool = _f(
+        False, "a group whose rank dies is dropped, restarted, healed from a live group, rejoined"
+    )
+    max_rejoins: int = _f(3, "fault_tolerant: restarts of each group before the job gives up on it")
+    quorum_timeout_s: float = _f(
+        120.0, "a synchronisation waits this long for the live groups to arrive before it is a hang"
+    )
+
+
+@dataclasses.dataclass
 class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -262,6 +295,7 @@ class Config:
     ps: PsConfig = dataclasses.field(default_factory=PsConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+    diloco: DilocoConfig = dataclasses.field(default_factory=DilocoConfig)
 
     @property
     def world_size(self) -> int:
@@ -294,6 +328,7 @@ SECTION_TYPES = {
     "ps": PsConfig,
     "log": LogConfig,
     "runtime": RuntimeConfig,
+    "diloco": DilocoConfig,
 }
 
 
