@@ -12,6 +12,10 @@ any cluster the presets do not (a calibration of this machine is one, `plait.pla
     [inter]
     alpha_us = 10.0
     beta_gbps = 25.0
+    [islands]              # optional: islands of whole nodes joined by a slower link
+    devices = 64           # devices per island, a multiple of gpus_per_node
+    alpha_us = 5000.0
+    beta_gbps = 1.25       # GB/s, one direction, per device (an island's uplink over its devices)
 
 Every value is range-checked and an unknown key is refused, naming the valid ones.
 """
@@ -40,6 +44,7 @@ _LIMITS = {  # field: (lowest, highest) accepted from a file
     "memory_bw_gbps": (1e-3, 1e6),
     "pcie_gbps": (1e-3, 1e6),
     "host_adam_params_per_s": (1.0, 1e15),
+    "devices": (1, 2**20),
 }
 
 
@@ -68,6 +73,22 @@ def _link(where: str, table) -> Link:
 
 PRECISIONS = ("bf16", "fp32")
 COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")
+
+
+def _islands(where: str, table, gpus_per_node: int) -> dict:
+    """``[islands]``: devices per island and the α-β of the link between islands."""
+    fields = {"devices", "alpha_us", "beta_gbps"}
+    if not isinstance(table, dict) or set(table) != fields:
+        got = ", ".join(sorted(table)) if isinstance(table, dict) else repr(table)
+        raise ConfigError(f"{where}: [islands] needs exactly {', '.join(sorted(fields))}, got {got}")
+    devices = _number(where, "devices", table["devices"], integer=True)
+    if devices % gpus_per_node:
+        raise ConfigError(
+            f"{where}: [islands] devices = {devices} is not a whole number of nodes "
+            f"(gpus_per_node = {gpus_per_node})"
+        )
+    link = _link(f"{where} [islands]", {k: table[k] for k in ("alpha_us", "beta_gbps")})
+    return {"island_devices": devices, "island": link}
 
 
 def _read_toml(spec: str) -> dict:
@@ -152,7 +173,7 @@ def read_cluster_file(spec: str) -> Cluster:
     optional = {"efficiency", "usable_memory", "memory_bw_gbps", "pcie_gbps", "host_adam_params_per_s"}
     measured = {"precision", "cores", "rank_tflops", "efficiency_curve", "tp_efficiency", "collective"}
     measured |= {"calibration", "pipeline_overhead_ms"}
-    known = required | optional | measured | {"name", "note"}
+    known = required | optional | measured | {"name", "note", "islands"}
     if missing := required - set(data):
         raise ConfigError(f"cluster file {spec!r} lacks {', '.join(sorted(missing))}")
     if unknown := set(data) - known:
@@ -186,9 +207,12 @@ def read_cluster_file(spec: str) -> Cluster:
         extra["collectives"] = _collectives(where, data["collective"])
     if "pipeline_overhead_ms" in data:
         extra["pipeline_overhead"] = _pipeline_overhead(where, data["pipeline_overhead_ms"])
+    gpus_per_node = _number(where, "gpus_per_node", data["gpus_per_node"], integer=True)
+    if "islands" in data:
+        extra |= _islands(where, data["islands"], gpus_per_node)
     return Cluster(
         name=str(data.get("name", path.stem)),
-        gpus_per_node=_number(where, "gpus_per_node", data["gpus_per_node"], integer=True),
+        gpus_per_node=gpus_per_node,
         peak_tflops=_number(where, "peak_tflops", data["peak_tflops"]),
         memory_gb=_number(where, "memory_gb", data["memory_gb"]),
         intra=_link(f"{where} [intra]", data["intra"]),

@@ -10,6 +10,13 @@ Mesh axes are laid out as plait's `Mesh` lays them, tp innermost, then ep, dp, p
 (docs/ARCHITECTURE.md): an axis whose groups stay inside one node (the product of its size and
 the sizes of the axes inside it is at most ``gpus_per_node``) uses ``intra``, any other ``inter``.
 
+A cluster may also be cut into **islands** of ``island_devices`` consecutive devices (whole
+nodes: two data centres, or pods joined by a slower fabric): an axis whose groups span more than
+one island uses the ``island`` link, the slowest, whatever else they cross. Its β is, like the
+others', what one device sees each way while all send (an island's uplink of B GB/s shared by its
+D devices is B/D per device). DiLoCo's replica axis is what such a link is for
+(`plait.planner.diloco`).
+
 Presets are from the vendors' datasheets (dense bf16 peaks; NVLink per-direction bandwidth);
 the α values and the compute ``efficiency`` are typical figures, not measured: a preset says so.
 How a cluster file describes any other cluster is in `plait.planner.cluster_file`.
@@ -82,6 +89,16 @@ class Cluster:
     collectives: tuple[tuple[str, int, int, Link], ...] = ()
     """Measured (op, ranks, ranks on the node, α-β of the whole collective over its bus bytes):
     used instead of the link class where they cover the op."""
+    island_devices: int = 0
+    """Devices of one island (a multiple of ``gpus_per_node``); 0: the cluster is one island."""
+    island: Link | None = None
+    """The link between islands (per device, each way); None without islands."""
+
+    def islands(self, devices: int) -> int:
+        """How many islands `devices` consecutive devices fill (1 without islands)."""
+        if not self.island_devices or devices <= self.island_devices:
+            return 1
+        return math.ceil(devices / self.island_devices)
 
     @property
     def peak_flops(self) -> float:
@@ -137,8 +154,13 @@ class Cluster:
         return min(same, key=lambda x: x[0])[1] if same else None
 
     def link_for(self, span: int) -> Link:
-        """The link of a group whose ranks span ``span`` consecutive global ranks."""
-        return self.intra if span <= self.gpus_per_node else self.inter
+        """The link of a group whose ranks span ``span`` consecutive global ranks: inside a node,
+        across nodes, or (with islands) across islands."""
+        if span <= self.gpus_per_node:
+            return self.intra
+        if self.island is not None and self.island_devices and span > self.island_devices:
+            return self.island
+        return self.inter
 
 
 def _grid_at(points, d_model: float, tokens: float) -> float:
