@@ -1,6 +1,7 @@
 """The planner's candidate: one way to run a step of a GPT (the record the search enumerates and
 the cost model prices): a `plait.layout.Layout` (its `layout`) with the micro-batching and the
-schedule the cost model needs. plait has one Layout; this is what the planner adds to it."""
+schedule the cost model needs. plait has one Layout; this is what the planner adds to it, with the
+`[diloco]` keys a DiLoCo candidate runs (`plait.planner.diloco`)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,30 @@ class Candidate:
     virtual_stages: int = 1
     recompute: bool = False
     offload: str = "none"
+    diloco_inner_steps: int = 0
+    """DiLoCo's H (`diloco.inner_steps`): 0 = plain data parallel, every step's gradients reduced
+    over all of dp."""
+    diloco_replicas: int = 0
+    """DiLoCo's M (`diloco.replicas`, resolved: it divides dp); the groups' dp is dp / M."""
+    diloco_fragments: int = 1
+    """Streaming DiLoCo's F (`diloco.fragments`)."""
+    diloco_overlap_steps: int = 0
+    """Streaming DiLoCo's tau (`diloco.overlap_steps`)."""
+    diloco_compression: str = "none"
+    """The outer exchange's dtype (`diloco.compression`): none (fp32), fp16 or bf16."""
 
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp * self.ep
+
+    @property
+    def diloco(self) -> bool:
+        return self.diloco_inner_steps > 0
+
+    @property
+    def group_dp(self) -> int:
+        """dp inside one replica group: dp / M under DiLoCo, else dp."""
+        return self.dp // self.diloco_replicas if self.diloco else self.dp
 
     def name(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
@@ -50,6 +71,14 @@ class Candidate:
             parts.append("rc")
         if self.offload != "none":
             parts.append(f"off-{self.offload}")
+        if self.diloco:
+            parts.append(f"diloco{self.diloco_replicas}-h{self.diloco_inner_steps}")
+            if self.diloco_fragments > 1:
+                parts.append(f"f{self.diloco_fragments}")
+            if self.diloco_overlap_steps:
+                parts.append(f"tau{self.diloco_overlap_steps}")
+            if self.diloco_compression != "none":
+                parts.append(self.diloco_compression)
         return "-".join(parts)
 
     @property

@@ -22,6 +22,8 @@ Every term reuses the piece of plait that already states it (docs/planner.md has
   hides: gloo reduces and copies on the cores that compute, so a rank in a collective counts as
   busy when the node's cores are shared out (`evaluate`);
 * the pipeline — plait's own simulator on the schedule plait runs (`plait.planner.stages`);
+* DiLoCo — an inner step priced on a replica group's degrees, plus the outer exchange of the
+  pseudo-gradient over the replica axis averaged over the H inner steps (`plait.planner.diloco`);
 * memory — `plait.zero.estimate`'s model states and activations (Korthikanti et al. 2022) times
   the micro-batches the simulator finds in flight, plus the fp32 logits.
 """
@@ -52,6 +54,7 @@ from plait.planner.cost_terms import (
     step_sync_term,
     tp_ep_term,
 )
+from plait.planner.diloco import OuterSync, outer_sync_term
 from plait.zero.estimate import GB, dtype_preset
 
 __all__ = ["ACT_BYTES", "BUCKET_BYTES", "Candidate", "evaluate", "stage_params"]
@@ -150,7 +153,10 @@ def _evaluate(
     sync_t = step_sync_term(st, g_bytes)
     step_t = optimizer_step_term(st, psi, p_bytes, g_bytes, k_opt)
     mem = memory_term(st, psi, p_bytes, g_bytes, k_opt, pipe.in_flight)
-    return _result(st, global_batch, computing, c, comm, pipe, dp, sync_t, step_t, psi, mem)
+    outer = outer_sync_term(st, psi, pipe.body + dp.exposed + sync_t + step_t)
+    if outer.state_bytes:
+        mem = dataclasses.replace(mem, state=mem.state + outer.state_bytes)
+    return _result(st, global_batch, computing, c, comm, pipe, dp, sync_t, step_t, psi, mem, outer)
 
 
 def _result(
@@ -165,13 +171,15 @@ def _result(
     step_t: float,
     psi: int,
     mem: Memory,
+    outer: OuterSync,
 ) -> dict:
     """The terms added up into the step, its throughput and memory (`plait plan --json`)."""
     lo, cfg, cluster, m, s = st.lo, st.cfg, st.cluster, st.lo.microbatches, st.cfg.seq_len
-    step = pipe.body + dp.exposed + sync_t + step_t
+    inner_step = pipe.body + dp.exposed + sync_t + step_t
+    step = inner_step + outer.exposed_s
     hw_flops = gpt_train_flops_per_token(cfg, recompute=lo.recompute) * global_batch * s
     model_flops = gpt_train_flops_per_token(cfg)
-    comm_s = m * (comm.f + comm.b) + pipe.p2p_exposed + dp.exposed + sync_t
+    comm_s = m * (comm.f + comm.b) + pipe.p2p_exposed + dp.exposed + sync_t + outer.exposed_s
     compute_s = m * (c.f + c.b + c.w + c.head_f + c.head_b)
     memory = mem.total
     out = {
@@ -198,7 +206,12 @@ def _result(
             "step_sync_s": sync_t,
             "pipeline_engine_s": m * pipe.engine_mb,
             # a rank's cores in use: computing, in a collective, or in the pipeline engine
-            "busy_s": compute_s + m * (comm.f + comm.b) + dp.exposed + sync_t + m * pipe.engine_mb,
+            "busy_s": compute_s
+            + m * (comm.f + comm.b)
+            + dp.exposed
+            + sync_t
+            + m * pipe.engine_mb
+            + outer.exposed_s,
             "optimizer_step_s": step_t,
             "params_per_device": psi,
             "computing_ranks": computing or st.node_ranks,
@@ -208,6 +221,18 @@ def _result(
             "activation_bytes": mem.act,
         },
     }
+    if lo.diloco:  # a plain layout's terms are the hand-worked ones (tests/test_planner_terms.py)
+        out["terms"] |= {
+            "dp_bus_bytes": dp.bus,
+            "inner_step_s": inner_step,
+            "diloco_payload_bytes": outer.payload,
+            "diloco_bus_bytes_per_exchange": outer.bus_per_exchange,
+            "diloco_bus_bytes_per_step": outer.bus_per_step,
+            "diloco_exchange_s": outer.exchange_s,
+            "diloco_hidden_s": outer.hidden_s,
+            "diloco_exposed_s": outer.exposed_s,
+            "diloco_state_bytes": outer.state_bytes,
+        }
     if memory > mem.usable:
         out["reason"] = (
             f"out of memory: needs {memory / GB:.1f} GB, {mem.usable / GB:.1f} GB usable "

@@ -72,13 +72,18 @@ class Setting:
     @classmethod
     def of(cls, cfg: GPTConfig, lo: Candidate, cluster: Cluster, precision: str) -> Setting:
         tokens = lo.microbatch_size * cfg.seq_len
+        sizes = {"tp": lo.tp, "ep": lo.ep, "dp": lo.dp, "pp": lo.pp}
+        links = axis_links(cluster, sizes)
+        links["replica"] = links["dp"]
+        if lo.diloco:  # DiLoCo's replica axis is dp's outer factor: a group is dp/M consecutive dp ranks
+            links["dp"] = axis_links(cluster, sizes | {"dp": lo.group_dp})["dp"]
         return cls(
             cfg=cfg,
             lo=lo,
             cluster=cluster,
             precision=precision,
             node_ranks=min(lo.devices, cluster.gpus_per_node),
-            links=axis_links(cluster, {"tp": lo.tp, "ep": lo.ep, "dp": lo.dp, "pp": lo.pp}),
+            links=links,
             k=cfg.n_layer // lo.pp,
             tokens=tokens,
             act=tokens * cfg.d_model * (4 if precision == "fp32" else ACT_BYTES),
@@ -92,8 +97,9 @@ class Setting:
 
     @property
     def n_data(self) -> int:
-        """The data axes (dense parameters are replicated over dp x ep)."""
-        return self.lo.dp * self.lo.ep
+        """The data axes (dense parameters are replicated over dp x ep); under DiLoCo a replica
+        group's (its dp / M), which is all an inner step reduces over."""
+        return self.lo.group_dp * self.lo.ep
 
     @property
     def shard(self) -> int:
@@ -102,7 +108,7 @@ class Setting:
 
     @property
     def data_link(self) -> Link:
-        return self.links["dp"] if self.lo.dp > 1 else self.links["ep"]
+        return self.links["dp"] if self.lo.group_dp > 1 else self.links["ep"]
 
     @property
     def shard_link(self) -> Link:
@@ -247,6 +253,8 @@ class DataSync:
 
     grad: float
     exposed: float
+    bus: float = 0.0
+    """Ring bus bytes a rank sends per step for the gradients and ZeRO's gathers."""
 
 
 def data_parallel_term(st: Setting, psi: int, p_bytes: int, g_bytes: int, c: Compute) -> DataSync:
@@ -260,12 +268,16 @@ def data_parallel_term(st: Setting, psi: int, p_bytes: int, g_bytes: int, c: Com
     if lo.zero_stage == 0:
         grad_t = st.ring(link_d, "all_reduce", psi * g_bytes, n_data, buckets)
         gather_t = 0.0
+        bus = bus_bytes("all_reduce", psi * g_bytes, n_data)
     else:
         shard_link = st.shard_link
         grad_t = st.ring(shard_link, "reduce_scatter", psi * g_bytes, shard, buckets)
+        bus = bus_bytes("reduce_scatter", psi * g_bytes, shard)
         if lo.hybrid_shard and n_data > shard:  # the shards' all-reduce across the replicas
             grad_t += st.ring(link_d, "all_reduce", psi * g_bytes / shard, n_data // shard, buckets)
+            bus += bus_bytes("all_reduce", psi * g_bytes / shard, n_data // shard)
         gather_t = st.ring(shard_link, "all_gather", psi * p_bytes, shard, buckets)
+        bus += bus_bytes("all_gather", psi * p_bytes, shard) * (2 * m if lo.zero_stage == 3 else 1)
     last_backward = c.b + c.w + c.head_b
     last_bucket = grad_t / buckets
     exposed = max(grad_t - last_backward, last_bucket) if grad_t else 0.0
@@ -277,7 +289,7 @@ def data_parallel_term(st: Setting, psi: int, p_bytes: int, g_bytes: int, c: Com
         exposed += max(gathers - hidden, gather_t / max(k, 1))
     else:
         exposed += gather_t  # ZeRO-1/2: the updated parameters, gathered after the step
-    return DataSync(grad=grad_t, exposed=exposed)
+    return DataSync(grad=grad_t, exposed=exposed, bus=bus)
 
 
 def step_sync_term(st: Setting, g_bytes: int) -> float:

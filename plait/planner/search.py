@@ -21,11 +21,17 @@ prunes, saying so in `PRUNING`:
 * branch and bound: every candidate's lower bound (no bubble, one micro-batch in flight) is
   priced first; candidates are simulated in order of that bound, and the search stops when the
   bound exceeds the top-K's slowest feasible step time.
+
+With DiLoCo (`plan(..., diloco=spec)`, `plait.planner.diloco`) every layout whose dp splits into
+the spec's M groups gets a twin per H; each family (without DiLoCo, and each H) is searched on its
+own, so that the best of each is known (``"families"``) even where another family fills the top K;
+each DiLoCo family's best is also priced as the same layout without DiLoCo (``"as_ddp"``).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 from plait import layout as plait_layout
@@ -34,6 +40,7 @@ from plait.models.gpt import GPTConfig
 from plait.pipeline.schedules import default_virtual_stages
 from plait.planner.cluster import Cluster
 from plait.planner.cost import Candidate, evaluate
+from plait.planner.diloco import DilocoSpec, variants
 from plait.planner.stages import PLANNED_SCHEDULES, balanced_stages
 from plait.train.checks import MAX_PIPELINE_ACTIONS
 from plait.train.config import read_config, validate
@@ -147,6 +154,11 @@ def layout_config(base, layout: Candidate, bf16: bool = True):
     cfg.train.bf16 = bf16
     p.plan, p.world = "manual", 0  # the layout is chosen
     cfg.offload.optimizer = layout.offload
+    if layout.diloco:  # a plain layout leaves [diloco] as the config has it
+        d = cfg.diloco
+        d.inner_steps, d.replicas = layout.diloco_inner_steps, layout.diloco_replicas
+        d.fragments, d.overlap_steps = layout.diloco_fragments, layout.diloco_overlap_steps
+        d.compression = layout.diloco_compression
     return cfg
 
 
@@ -179,17 +191,26 @@ def plan(
     infeasible: int = 5,
     bf16: bool | None = None,
     allowed=None,
+    diloco: DilocoSpec | None = None,
 ) -> dict:
     """Rank the layouts of `cfg` on `devices` devices of `cluster`: ``{"plans": [...], ...}``, the
     `top` fastest feasible plans first (each validated by plait's config rules when `base`, a
     plait Config, is given), then up to `infeasible` rejected ones with their reasons. ``bf16``:
-    the plans' precision (default the cluster's); ``allowed``: a filter of the layouts considered."""
+    the plans' precision (default the cluster's); ``allowed``: a filter of the layouts considered;
+    ``diloco``: also the DiLoCo twins of the layouts, and ``"families"``, the best plan without
+    DiLoCo and with each H (module docstring)."""
     dropout = base.model.dropout if base is not None else 0.0
     bf16 = cluster.precision == "bf16" if bf16 is None else bf16
     precision = "bf16" if bf16 else "fp32"
     candidates = list(enumerate_layouts(cfg, global_batch, devices, cluster, dropout))
     if allowed is not None:
         candidates = [c for c in candidates if allowed(c)]
+    plain_base = base
+    if diloco is not None:
+        candidates += [v for c in candidates for v in variants(c, diloco, cluster)]
+        if base is not None and base.diloco.inner_steps:  # the plain layouts run without DiLoCo
+            plain_base = copy.deepcopy(base)
+            plain_base.diloco.inner_steps = 0
     if not candidates:
         raise ConfigError(
             f"no layout of this model fits {devices} devices with train.global_batch = {global_batch}: "
@@ -208,13 +229,28 @@ def plan(
             lb["reason"] = lb["reason"].replace("needs", "needs at least", 1)
             rejected.append(lb)
     bounds.sort(key=lambda x: x[0])
-    best, evaluated = _branch_and_bound(
-        bounds,
-        lambda lay: evaluate(cfg, global_batch, lay, cluster, optimizer=optimizer, precision=precision),
-        lambda lay: check_runnable(base, lay, bf16) if base is not None else "",
-        top,
-        rejected,
-    )
+    best, evaluated, families = [], 0, []
+
+    def runnable(lay: Candidate) -> str:
+        return check_runnable(base if lay.diloco else plain_base, lay, bf16) if base is not None else ""
+
+    for h in (0, *diloco.inner_steps) if diloco is not None else (0,):
+        found, n = _branch_and_bound(
+            [(b, lay) for b, lay in bounds if lay.diloco_inner_steps == h],
+            lambda lay: evaluate(cfg, global_batch, lay, cluster, optimizer=optimizer, precision=precision),
+            runnable,
+            top,
+            rejected,
+        )
+        best, evaluated = sorted(best + found, key=_rank_key)[:top], evaluated + n
+        family = {"diloco_inner_steps": h, "best": plan_summary(found[0]) if found else None}
+        if h and found:  # the same layout without DiLoCo: DDP's reduction every step over all of dp
+            lay = _as_candidate(found[0])
+            plain_lay = dataclasses.replace(lay, diloco_inner_steps=0, diloco_replicas=0, diloco_fragments=1)
+            plain_lay = dataclasses.replace(plain_lay, diloco_overlap_steps=0, diloco_compression="none")
+            ddp = evaluate(cfg, global_batch, plain_lay, cluster, optimizer=optimizer, precision=precision)
+            family["as_ddp"] = plan_summary(ddp)
+        families.append(family)
     for r in best:  # Alpa's inter-operator DP on the listed pipelines (plait train runs the uniform cut)
         if r["pp"] > 1:
             n = r["pp"] * r["virtual_stages"]
@@ -230,7 +266,7 @@ def plan(
         "simulated": evaluated,
         "rejected": len(rejected),
         "pruning": PRUNING,
-    }
+    } | ({"families": families} if diloco is not None else {})
 
 
 def _branch_and_bound(bounds, price, runnable, top: int, rejected: list) -> tuple[list[dict], int]:
@@ -272,6 +308,10 @@ def _branch_and_bound(bounds, price, runnable, top: int, rejected: list) -> tupl
             return best, len(priced)
 
 
+def _as_candidate(r: dict) -> Candidate:
+    return Candidate(**{f.name: r[f.name] for f in dataclasses.fields(Candidate)})
+
+
 def _rank_key(r: dict):
     """Fastest first; among plans equal to 4 digits, fewer micro-batches (larger GEMMs, fewer
     passes: what the model does not price) and less memory."""
@@ -286,6 +326,8 @@ def plan_summary(result: dict) -> dict:
     """The fields of each plan that the `--json` schema promises, plus the rest of the plan."""
     keep = ("layout", "dp", "tp", "pp", "ep", "zero_stage", "hybrid_shard", "sequence_parallel")
     keep += ("microbatch_size", "microbatches", "schedule", "virtual_stages", "recompute", "offload")
+    keep += ("diloco_inner_steps", "diloco_replicas", "diloco_fragments", "diloco_overlap_steps")
+    keep += ("diloco_compression",)
     keep += ("feasible", "reason", "step_s", "tflops_per_device", "mfu", "memory_gb", "bubble", "comm_share")
     return (
         {k: result[k] for k in keep}
