@@ -5,7 +5,7 @@ cluster.py (`load_cluster`: a preset, this machine or a file; the records and pr
 hardware.py, the file format in cluster_file.py), cost.py (one layout's time and memory), stages.py (Alpa's
 inter-operator DP; the pipeline through plait's simulator), search.py (enumerate, prune, rank),
 calibrate.py (`plait plan --calibrate`: this machine measured as the cluster `this`), auto.py
-(`plait train --parallel.plan auto`).
+(`plait train --parallel.plan auto`), diloco.py (DiLoCo's outer exchange, `plait plan --diloco H`).
 """
 
 from plait.planner.cluster import PRESETS, Cluster, Link, load_cluster
