@@ -19,6 +19,7 @@ sequence parallelism, pp x tp) and agrees, so a broken reassembly cannot pass by
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -291,3 +292,26 @@ def test_unfuse_inverts_the_split_of_a_fused_output():
     for fused, tp in ((3, 2), (3, 4), (2, 2), (1, 4)):
         shards = full[:, _fused_order(24, fused, tp)].chunk(tp, dim=-1)
         assert torch.equal(_unfuse(torch.cat(shards, -1), fused, tp), full)
+
+
+def test_relative_error_and_expert_modules_are_judged_exactly():
+    """The pure rules under localisation: the relative error (an all-zero reference agrees only
+    with zeros; a non-finite difference never agrees), and which modules are inside a
+    mixture-of-experts layer (their outputs hold only the rows routed to this rank's experts, so
+    an ep layout does not compare them)."""
+    from plait.parity.localise import _inside_experts, _rel, localise
+
+    want = torch.tensor([3.0, 4.0])
+    assert _rel(torch.tensor([3.0, 4.5]), want) == pytest.approx(0.1, rel=1e-12)
+    zero = torch.zeros(2)
+    assert _rel(zero, zero) == 0.0
+    assert _rel(torch.tensor([1e-30, 0.0]), zero) == math.inf
+    assert _rel(torch.tensor([math.nan, 0.0]), want) == math.inf
+    kinds = {"blocks.1.mlp": "MoELayer", "blocks.2.ff": "Experts", "blocks.0.mlp": "MLP"}
+    assert _inside_experts("blocks.1.mlp.router", kinds)
+    assert _inside_experts("blocks.2.ff", kinds)
+    assert not _inside_experts("blocks.0.mlp.fc", kinds)
+    assert not _inside_experts("blocks.1", kinds)
+    assert _inside_experts("experts.w1", {"experts": "Experts"})  # a top-level module counts too
+    assert localise([], [{"where": {}}], 1e-5, 0.0) is None
+    assert localise([{"where": {}}], [], 1e-5, 0.0) is None
