@@ -155,6 +155,15 @@ BAD = [
         ["--model.name", "tiny", "--train.global_batch", "1024"],
         ["held-out", "train.global_batch = 1024"],
     ),
+    (None, ["--diloco.replicas", "3"], ["diloco.replicas = 3 does not divide parallel.dp = 2"]),
+    (None, ["--diloco.outer_optimizer", "adam"], ["diloco.outer_optimizer = 'adam'", "nesterov, sgd"]),
+    (
+        None,
+        ["--diloco.inner_steps", "4", "--diloco.overlap_steps", "4"],
+        ["diloco.overlap_steps = 4 must be below diloco.inner_steps = 4"],
+    ),
+    # priced by plait plan, but no runtime trains it yet: refused, not trained as plain dp
+    (None, ["--diloco.inner_steps", "8"], ["diloco.inner_steps = 8", "not built yet", "plait plan"]),
 ]
 
 

@@ -9,6 +9,7 @@ from plait.async_training.ps_launch import launch_ps
 from plait.controller import launch_controller
 from plait.errors import ConfigError
 from plait.planner.auto import resolve_auto
+from plait.train.checks import check_trainable
 from plait.train.config import describe_keys, load_config, parse_overrides, read_config
 from plait.train.console import survive_closed_output
 from plait.train.launch import launch, under_launcher
@@ -60,6 +61,7 @@ def main(argv: list[str]) -> int:
                 "its own; choose the layout first (plait plan --cluster this --devices N) and pass its keys"
             )
         cfg, _ = resolve_auto(cfg, out=sys.stdout)
+    check_trainable(cfg)
     if cfg.ps.servers:  # servers and workers as separate processes (plait.async_training)
         if under_launcher():
             raise ConfigError(

@@ -46,6 +46,7 @@ from plait.comm.ports import LOOPBACK, free_port, listen_on_loopback, loopback_s
 from plait.comm.recorder import WATCHDOG_PREFIX
 from plait.errors import ConfigError, error_names
 from plait.train import loop
+from plait.train.checks import check_trainable
 from plait.train.config import Config, config_from_dict
 from plait.train.console import survive_closed_output
 from plait.train.peak import peak_flops_per_rank
@@ -187,6 +188,7 @@ def _lock_in_rank(dup) -> SharedLock:
 def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = None) -> int:
     """Run the configured job; returns the process exit code (0 on success). `checkpoint`: the
     one to resume from (default: `latest`, or the newest that verifies)."""
+    check_trainable(cfg)
     if cfg.ps.servers:  # a runtime of its own, above this one: `plait train` starts it
         raise ConfigError(
             f"ps.servers = {cfg.ps.servers}: the parameter server is started by "
