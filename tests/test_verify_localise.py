@@ -315,3 +315,32 @@ def test_relative_error_and_expert_modules_are_judged_exactly():
     assert _inside_experts("experts.w1", {"experts": "Experts"})  # a top-level module counts too
     assert localise([], [{"where": {}}], 1e-5, 0.0) is None
     assert localise([{"where": {}}], [], 1e-5, 0.0) is None
+
+
+def test_the_recorder_keeps_tensors_up_to_its_byte_cap_and_says_it_truncated():
+    """Spawn-free: a linear stack recorded forward and backward. Every kept tensor is a copy (a
+    later in-place change of the model's output does not reach the record), the byte count is
+    the sum of what was kept, and a cap below the whole step keeps a prefix and says so."""
+    from plait.train.module_record import ModuleRecorder
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def step(cap):
+        rec = ModuleRecorder(model, {}, max_bytes=cap)
+        out = model(x)
+        out.sum().backward()
+        rec.stop()
+        return rec, out
+
+    whole, out = step(2**30)
+    kept = sum(t.numel() * t.element_size() for t in whole.tensors.values())
+    assert not whole.truncated and whole.bytes == kept and kept > 0
+    key = next(k for k in whole.tensors if k.startswith("out/1/"))
+    saved = whole.tensors[key].clone()
+    with torch.no_grad():
+        out.add_(1.0)
+    assert torch.equal(whole.tensors[key], saved)  # a copy, not a view of the live output
+    part, _ = step(kept // 2)
+    assert part.truncated and 0 < part.bytes <= kept // 2 and len(part.tensors) < len(whole.tensors)
