@@ -9,9 +9,9 @@ from plait.async_training.ps_launch import launch_ps
 from plait.controller import launch_controller
 from plait.errors import ConfigError
 from plait.planner.auto import resolve_auto
-from plait.train.checks import check_trainable
 from plait.train.config import describe_keys, load_config, parse_overrides, read_config
 from plait.train.console import survive_closed_output
+from plait.train.diloco_checks import check_trainable
 from plait.train.launch import launch, under_launcher
 from plait.train.resume import check_resume_changes
 from plait.train.rundir import resume_target

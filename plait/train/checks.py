@@ -135,7 +135,6 @@ def check_values(cfg) -> None:
     _valid("runtime.kind", cfg.runtime.kind, RUNTIMES)
     require(cfg.runtime.run_ahead >= 1, f"runtime.run_ahead must be >= 1, got {cfg.runtime.run_ahead}")
     _check_model(cfg.model)
-    _check_diloco(cfg.diloco, cfg.parallel)
     if cfg.log.tensorboard:
         try:
             import tensorboard  # noqa: F401  (optional: pip install plait[tensorboard])
@@ -143,51 +142,6 @@ def check_values(cfg) -> None:
             raise ConfigError(
                 "log.tensorboard = true needs the tensorboard package: pip install plait[tensorboard]"
             ) from None
-
-
-DILOCO_OUTER = ("nesterov", "sgd")
-DILOCO_COMPRESSIONS = ("none", "fp16", "bf16", "onebit", "topk", "powersgd")
-
-
-def _check_diloco(d, p) -> None:
-    """[diloco]'s own ranges (its pricing is plait.planner.diloco; its runtime: check_trainable)."""
-    require(d.inner_steps >= 0, f"diloco.inner_steps must be >= 0 (0 = DiLoCo off), got {d.inner_steps}")
-    require(d.replicas >= 0, f"diloco.replicas must be >= 0 (0 = parallel.dp), got {d.replicas}")
-    if d.replicas:
-        require(
-            p.dp % d.replicas == 0,
-            f"diloco.replicas = {d.replicas} does not divide parallel.dp = {p.dp}: a replica group is "
-            f"dp / replicas whole dp ranks; valid: the divisors of {p.dp}",
-        )
-    _valid("diloco.outer_optimizer", d.outer_optimizer, DILOCO_OUTER)
-    _valid("diloco.compression", d.compression, DILOCO_COMPRESSIONS)
-    require(d.outer_lr > 0, f"diloco.outer_lr must be positive, got {d.outer_lr}")
-    require(0 <= d.outer_momentum < 1, f"diloco.outer_momentum must be in [0, 1), got {d.outer_momentum}")
-    require(d.fragments >= 1, f"diloco.fragments must be >= 1, got {d.fragments}")
-    require(d.overlap_steps >= 0, f"diloco.overlap_steps must be >= 0, got {d.overlap_steps}")
-    require(0 <= d.mix <= 1, f"diloco.mix must be in [0, 1], got {d.mix}")
-    if d.inner_steps:
-        require(
-            d.fragments <= d.inner_steps,
-            f"diloco.fragments = {d.fragments} > diloco.inner_steps = {d.inner_steps}: each fragment "
-            "needs a step of its own in the H steps between its synchronisations",
-        )
-        require(
-            d.overlap_steps < d.inner_steps,
-            f"diloco.overlap_steps = {d.overlap_steps} must be below diloco.inner_steps = {d.inner_steps}: "
-            "a fragment's exchange must land before its next one starts",
-        )
-
-
-def check_trainable(cfg) -> None:
-    """What validation accepts but no runtime trains yet: DiLoCo is priced by plait plan
-    (plait.planner.diloco), and its runtime is not built (docs/diloco.md). Refused before any
-    process starts, rather than silently training plain data parallelism."""
-    if cfg.diloco.inner_steps:
-        raise ConfigError(
-            f"diloco.inner_steps = {cfg.diloco.inner_steps}: DiLoCo's training runtime is not built yet; "
-            "plait plan --diloco H prices it (docs/planner.md). Set diloco.inner_steps = 0 to train"
-        )
 
 
 def _check_parallel(p) -> None:

@@ -29,6 +29,7 @@ from plait.models.python_source import check_source
 from plait.models.resolve import model_config
 from plait.models.source import validate_source
 from plait.train.checks import MAX_SIZE, check_bounds, check_fits, check_values, check_writable_dir, require
+from plait.train.diloco_checks import check_diloco
 from plait.train.sections import (
     SECTION_TYPES,
     CommConfig,
@@ -228,6 +229,7 @@ def validate(cfg: Config, data: bool = True) -> None:
     `resolve_auto` runs)."""
     check_bounds(cfg)
     check_values(cfg)
+    check_diloco(cfg.diloco, cfg.parallel)
     validate_source(cfg)  # the model's source: an hf model refuses what it does not fit
     job = Job.from_config(cfg)
     p = cfg.parallel

@@ -46,9 +46,9 @@ from plait.comm.ports import LOOPBACK, free_port, listen_on_loopback, loopback_s
 from plait.comm.recorder import WATCHDOG_PREFIX
 from plait.errors import ConfigError, error_names
 from plait.train import loop
-from plait.train.checks import check_trainable
 from plait.train.config import Config, config_from_dict
 from plait.train.console import survive_closed_output
+from plait.train.diloco_checks import check_trainable
 from plait.train.peak import peak_flops_per_rank
 from plait.train.preempt import PREEMPTED_EXIT, route_sigterm
 from plait.train.preflight import check_before_start
