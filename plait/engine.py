@@ -116,6 +116,15 @@ class ScalesResiduals(Protocol):
 
 
 @runtime_checkable
+class OuterSteps(Protocol):
+    """An engine with work of its own at the end of a step, taken or skipped (DiLoCo's outer
+    exchange, plait.train.diloco): the trainer calls it after every step."""
+
+    def end_step(self, step: int, loss: float) -> dict:
+        """After step `step` (whose global loss was `loss`): returns entries for its record."""
+
+
+@runtime_checkable
 class RecordsTimeline(Protocol):
     """An engine that can time one step's actions and gather them from every rank."""
 

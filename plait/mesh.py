@@ -277,6 +277,15 @@ class Mesh:
                 group, _ = dist.new_subgroups_by_enumeration(groups)
             self._sub[axis] = (size, mine.index(self.global_rank), mine, group)
 
+    def attach_axis(self, name: str, group, index: int, size: int) -> None:
+        """Add an axis over a process group outside this mesh's world (DiLoCo's replica axis:
+        the same position in every replica group, each group a world of its own), so that
+        plait.comm's collectives run, and are recorded, over it like over any other axis. A
+        later call replaces it (a new quorum); `group` None with size 1 makes it a no-op axis."""
+        if name in self.sizes or name == WORLD or "*" in name:
+            raise TopologyError(f"cannot attach axis {name!r}: it is one of the mesh's own")
+        self._sub[name] = (size, index, list(range(size)), group)
+
     def _derive(self, axes: tuple[str, ...]) -> str:
         """Register the combined axis over `axes` (its group built at construction, or the one
         axis larger than 1 among them, or none) and return its name."""

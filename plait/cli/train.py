@@ -12,6 +12,7 @@ from plait.planner.auto import resolve_auto
 from plait.train.config import describe_keys, load_config, parse_overrides, read_config
 from plait.train.console import survive_closed_output
 from plait.train.diloco_checks import check_trainable
+from plait.train.diloco_launch import launch_diloco
 from plait.train.launch import launch, under_launcher
 from plait.train.resume import check_resume_changes
 from plait.train.rundir import resume_target
@@ -61,6 +62,13 @@ def main(argv: list[str]) -> int:
                 "its own; choose the layout first (plait plan --cluster this --devices N) and pass its keys"
             )
         cfg, _ = resolve_auto(cfg, out=sys.stdout)
+    if cfg.diloco.inner_steps:  # replica groups, each a world of its own (plait.train.diloco_launch)
+        if under_launcher():
+            raise ConfigError(
+                f"diloco.inner_steps = {cfg.diloco.inner_steps}: DiLoCo starts its own replica groups; "
+                "run plait train directly, not under torchrun"
+            )
+        return launch_diloco(cfg, resume=resume_dir is not None)
     check_trainable(cfg)
     if cfg.ps.servers:  # servers and workers as separate processes (plait.async_training)
         if under_launcher():

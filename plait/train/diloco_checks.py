@@ -1,10 +1,13 @@
-"""[diloco]'s checks: each key's own range (validation), and the refusal to train it while no
-runtime does (plait train, before any process starts). Its pricing is plait.planner.diloco."""
+"""[diloco]'s checks: each key's own range (validation), and who may start it (its launcher).
+Its runtime is plait.train.diloco, its pricing plait.planner.diloco."""
 
 from __future__ import annotations
 
+import os
+
 from plait.errors import ConfigError
 from plait.train.checks import _valid, require
+from plait.train.diloco_replicas import ENV_GROUP
 
 DILOCO_OUTER = ("nesterov", "sgd")
 DILOCO_COMPRESSIONS = ("none", "fp16", "bf16", "onebit", "topk", "powersgd")
@@ -41,11 +44,12 @@ def check_diloco(d, p) -> None:
 
 
 def check_trainable(cfg) -> None:
-    """What validation accepts but no runtime trains yet: DiLoCo is priced by plait plan
-    (plait.planner.diloco), and its runtime is not built (docs/diloco.md). Refused before any
-    process starts, rather than silently training plain data parallelism."""
-    if cfg.diloco.inner_steps:
+    """A DiLoCo job is started by its own launcher (plait.train.diloco_launch, as plait train
+    does), not by plait.train.launch nor under an outer torchrun: its replica groups are worlds
+    of their own. Refused before any process starts."""
+    if cfg.diloco.inner_steps and os.environ.get(ENV_GROUP) is None:
         raise ConfigError(
-            f"diloco.inner_steps = {cfg.diloco.inner_steps}: DiLoCo's training runtime is not built yet; "
-            "plait plan --diloco H prices it (docs/planner.md). Set diloco.inner_steps = 0 to train"
+            f"diloco.inner_steps = {cfg.diloco.inner_steps}: DiLoCo's replica groups are started by "
+            "plait train itself (plait.train.diloco_launch.launch_diloco), not by plait.train.launch "
+            "or under torchrun"
         )

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from plait import comm
 from plait.data import DistributedBatchSampler, eval_batches, load_corpus
 from plait.data.tokenizer import target_bytes
-from plait.engine import Engine, ErrorFeedback, RecordsTimeline
+from plait.engine import Engine, ErrorFeedback, OuterSteps, RecordsTimeline
 from plait.errors import CheckpointError, ConfigError, DivergedError
 from plait.mesh import Mesh, init_distributed
 from plait.models.source import build_model
@@ -31,6 +31,8 @@ from plait.train.build import build_engine, micro_batches_per_step
 from plait.train.checkpoint import latest_checkpoint, load_checkpoint
 from plait.train.checkpointer import make_checkpointer
 from plait.train.config import Config, model_config
+from plait.train.diloco import wrap_diloco
+from plait.train.diloco_replicas import rejoining_group, replica_group
 from plait.train.hooks import named_hook
 from plait.train.metrics import MetricsWriter
 from plait.train.module_record import first_step, where_on
@@ -159,6 +161,10 @@ def _train(
                 record = _train_step(run, step)
         else:
             record = _train_step(run, step)
+        if isinstance(engine, OuterSteps):  # DiLoCo: the outer exchange, on the steps it is due
+            mesh.ledger.set_step(step)
+            record.update(engine.end_step(step, record["loss"]))
+            mesh.ledger.set_step(-1)
         loss = record["loss"]
         guard_nonfinite(run, step, record)
         guard_last_step(run, step, record)
@@ -227,16 +233,21 @@ def _setup(
     `from_peer`: a fresh rank that will load a peer's state instead (plait.controller.peer):
     the run directory is this run's, and no checkpoint is read."""
     t, device = cfg.train, mesh.device
+    rejoining = rejoining_group(cfg)  # a DiLoCo group restarted: it heals from a live one
+    from_peer = from_peer or rejoining
     run_dir, resume = _prepare_run_dir(cfg, mesh, resume, restart, from_peer)
     mcfg = model_config(cfg)
     corpus = _load_data(cfg, mesh, run_dir, resume)
     dp = mesh.size(data_axis(mesh))  # data-parallel ranks: dp, or dp x ep
+    # DiLoCo: this group's ranks are dp of the dp x groups that split the global batch
+    group, groups = replica_group() or (0, 1)
+    data_rank = group * dp + mesh.rank(data_axis(mesh))
     sampler = DistributedBatchSampler(
         corpus.train,
         mcfg.seq_len,
         t.global_batch,
-        mesh.rank(data_axis(mesh)),
-        dp,
+        data_rank,
+        dp * groups,
         t.seed,
         micro_batches=micro_batches_per_step(cfg),
     )
@@ -250,6 +261,8 @@ def _setup(
     n_params = sum(q.numel() for q in raw.parameters())
     flops_per_token = report.flops_per_token(raw)  # of the whole model: before wrapping shards it
     engine = build_engine(raw, cfg, mesh, run_dir)
+    if cfg.diloco.inner_steps:  # the outer loop around the group's engine (plait.train.diloco)
+        engine = wrap_diloco(engine, cfg, mesh)
     if cfg.log.placements:
         report.write_placements(run_dir, mesh, engine)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -257,12 +270,18 @@ def _setup(
     )
     # dropout streams differ per data-parallel replica; tensor-parallel peers share theirs, as
     # they must for dropout on replicated activations (split ones use apply_tp's own stream)
-    torch.manual_seed(t.seed + 1 + mesh.rank(data_axis(mesh)))
+    torch.manual_seed(t.seed + 1 + data_rank)
 
     start = _resume_state(run_dir, mesh, engine, scheduler, sampler) if resume and not from_peer else 0
+    if isinstance(engine, OuterSteps):
+        engine.attach_run(scheduler, sampler)
+        if rejoining:
+            start = engine.rejoin()  # (it says from which group, at which step)
+            if mesh.is_rank0:
+                report.truncate_metrics(run_dir, start)
     comm.barrier(mesh)
     last = min(t.steps, t.stop_at) if t.stop_at else t.steps
-    tokens_per_step = t.global_batch * mcfg.seq_len
+    tokens_per_step = t.global_batch * mcfg.seq_len // groups  # this group's (DiLoCo), or all
     return Run(
         cfg=cfg,
         mesh=mesh,
