@@ -174,6 +174,10 @@ class Job:
     api: bool = False  # plait.parallelize, the custom-loop API
     runtime: str = "spmd"  # runtime.kind: spmd, or controller (one driver program)
     eval_island: bool = False  # runtime.eval_island: evaluations on a process mesh of their own
+    inner_steps: int = 0  # diloco.inner_steps: DiLoCo's H (0: off)
+    outer_compression: str = "none"  # diloco.compression
+    fault_tolerant: bool = False  # diloco.fault_tolerant
+    overlap_steps: int = 0  # diloco.overlap_steps (Streaming DiLoCo's tau)
 
     @classmethod
     def from_config(cls, cfg, api: bool = False) -> Job:
@@ -191,6 +195,10 @@ class Job:
             api=api,
             runtime=cfg.runtime.kind,
             eval_island=cfg.runtime.eval_island,
+            inner_steps=cfg.diloco.inner_steps,
+            outer_compression=cfg.diloco.compression,
+            fault_tolerant=cfg.diloco.fault_tolerant,
+            overlap_steps=cfg.diloco.overlap_steps,
         )
 
 
@@ -221,6 +229,10 @@ def features(layout: Layout, job: Job = Job()) -> frozenset[str]:
         "api": job.api,
         "controller": job.runtime == "controller",
         "eval-island": job.eval_island,
+        "diloco": job.inner_steps > 0,
+        "diloco-ef": job.inner_steps > 0 and job.outer_compression in EF_COMPRESSORS,
+        "diloco-ft": job.inner_steps > 0 and job.fault_tolerant,
+        "diloco-overlap": job.inner_steps > 0 and job.overlap_steps > 0,
     }
     on |= {name for name, value in flags.items() if value}
     kind = source_kind(job.source)

@@ -162,8 +162,13 @@ BAD = [
         ["--diloco.inner_steps", "4", "--diloco.overlap_steps", "4"],
         ["diloco.overlap_steps = 4 must be below diloco.inner_steps = 4"],
     ),
-    # priced by plait plan, but no runtime trains it yet: refused, not trained as plain dp
-    (None, ["--diloco.inner_steps", "8"], ["diloco.inner_steps = 8", "not built yet", "plait plan"]),
+    # the outer exchange takes no error-feedback compressor: refused before any group starts
+    (None, ["--diloco.inner_steps", "8", "--diloco.compression", "topk"], ["diloco.compression = 'topk'"]),
+    (
+        None,
+        ["--diloco.inner_steps", "8", "--diloco.fault_tolerant", "true", "--diloco.overlap_steps", "2"],
+        ["diloco.fault_tolerant = true with diloco.overlap_steps = 2", "diloco.overlap_steps = 0"],
+    ),
 ]
 
 

@@ -34,6 +34,10 @@ FEATURES = {  # name: what turns it on
     "api": "the custom-loop API: plait.parallelize",
     "controller": "the single controller: runtime.kind = controller",
     "eval-island": "evaluation on a process mesh of its own: runtime.eval_island",
+    "diloco": "DiLoCo's replica groups: diloco.inner_steps > 0",
+    "diloco-ef": "an error-feedback compressor on DiLoCo's outer exchange: diloco.compression",
+    "diloco-ft": "replica groups that drop out and rejoin: diloco.fault_tolerant",
+    "diloco-overlap": "Streaming DiLoCo's overlapped exchange: diloco.overlap_steps > 0",
 }
 # The features a generated row names: (config key, its name in the message templates, its value
 # when off, a value that turns it on for the row's example config).
