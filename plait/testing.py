@@ -179,9 +179,17 @@ def inject_fault(step: int, rank: int, cfg, engine=None) -> None:
     non-finite loss (`nanloss`: its own loss sum is NaN, as an overflow in its forward gives) or
     gradient norm (`nangrad`: a NaN gradient that no exchange spreads to the other ranks, e.g.
     one replica's own). Several faults: RANK:STEP[:MODE],RANK:STEP[:MODE]. Only in the job's
-    first attempt: a job restarted by the launcher (train.max_restarts) runs clean."""
+    first attempt: a job restarted by the launcher (train.max_restarts) runs clean.
+    PLAIT_FAIL_GROUP=G: only in DiLoCo's replica group G (first start only)."""
     spec = os.environ.get("PLAIT_FAIL_AT")
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0):
+        return
+    # DiLoCo (plait.train.diloco_launch): PLAIT_FAIL_GROUP=G limits the faults to replica group G
+    # (every group has a rank 0), and a group started again runs clean
+    group = os.environ.get("PLAIT_FAIL_GROUP")
+    if group is not None and (
+        os.environ.get("PLAIT_DILOCO_GROUP") != group or int(os.environ.get("PLAIT_DILOCO_GENERATION", "0"))
+    ):
         return
     for one in spec.split(","):
         at_rank, at_step, *mode = one.split(":")
