@@ -307,7 +307,8 @@ def test_a_run_stopped_with_an_exchange_in_flight_resumes_bit_for_bit(runs, tmp_
     whole = runs["stream"]
     for g in range(2):
         got, want = _params(cut / f"replica{g}"), _params(whole / f"replica{g}")
-        assert all(torch.equal(got[n], want[n]) for n in want), g
+        diff = max(float((got[n] - want[n]).abs().max()) for n in want)
+        assert diff == 0.0, f"group {g}: the resumed run is off by up to {diff:.2e}"
 
 
 def test_a_killed_group_is_dropped_restarted_healed_and_rejoins(tmp_path):
