@@ -111,8 +111,8 @@ def reference(
         for g in range(groups):
             if gone(g, step):
                 continue
-            (x, y), *_ = samplers[g].next_batch()
-            loss = models[g](x, y)
+            micro = samplers[g].next_batch()  # (a pipeline's run takes its rows in micro-batches)
+            loss = models[g](torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))
             loss.backward()
             opts[g].step()
             scheds[g].step()
@@ -276,13 +276,15 @@ def test_the_replica_axis_carries_the_formulas_bytes_on_the_steps_it_is_due(runs
 
 
 def test_groups_with_layouts_inside_follow_the_reference(tmp_path):
-    """A replica group is any layout: ZeRO-3 over its 2 ranks, tp over 2: the same model as the
-    reference's (4 ranks, 2 groups)."""
+    """A replica group is any layout: ZeRO-3 over its 2 ranks, tp over 2, two pipeline stages (its
+    rows in micro-batches, its held-out batches too): the same model as the reference's (4 ranks,
+    2 groups)."""
     args = (*BASE, *ALG1, "--model.n_head", "4", "--train.global_batch", "8")
     jobs = {
         "zero3": train_job(tmp_path / "zero3", *args, "--parallel.dp", "4", "--diloco.replicas", "2",
                            "--parallel.zero_stage", "3"),
         "tp": train_job(tmp_path / "tp", *args, "--parallel.dp", "2", "--parallel.tp", "2"),
+        "pp": train_job(tmp_path / "pp", *args, "--parallel.dp", "2", "--parallel.pp", "2"),
     }  # fmt: skip
     done = {name: _ok(r) for name, r in side_by_side(jobs).items()}
     want = reference(done["tp"], 2)

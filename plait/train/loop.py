@@ -251,7 +251,10 @@ def _setup(
         t.seed,
         micro_batches=micro_batches_per_step(cfg),
     )
-    val = eval_batches(corpus.val, mcfg.seq_len, t.global_batch, t.eval_batches)
+    # the same held-out windows whatever the layout; a DiLoCo group evaluates them in batches of
+    # its own rows per step (a pipeline's micro-batches keep their shape)
+    n_eval = t.eval_batches * groups if t.eval_batches else t.eval_batches
+    val = eval_batches(corpus.val, mcfg.seq_len, t.global_batch // groups, n_eval)
     val_tokens_bytes = target_bytes(val, corpus.token_bytes())  # for bits per byte
 
     # measured (if not cached) before seeding; it uses its own generator anyway
