@@ -41,7 +41,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from plait.state import group_options, set_group_options, sharded_tensor
 from plait.train.diloco_quorum import QuorumReplicas
-from plait.train.diloco_replicas import FixedReplicas, replica_group
+from plait.train.diloco_replicas import AXIS, FixedReplicas, replica_group
 
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h|layer)\.(\d+)(?:\.|$)")
 _WIRE = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -136,6 +136,7 @@ class DilocoEngine:
         self.pending_n = torch.zeros(diloco.fragments, dtype=torch.int64)
         self.outer_steps = torch.zeros((), dtype=torch.int64)
         self.n_blocks = n_blocks
+        self.replica_bytes = 0.0  # this rank's bus bytes over the replica axis so far (the ledger's)
 
     # --- the engine contract: the inner engine's --------------------------------------------
 
@@ -243,7 +244,6 @@ class DilocoEngine:
             "fragments": due,
             "groups": outcome["groups"],
             "sent_elements": sent,
-            "outer_steps": int(self.outer_steps),
         }
         if overlap == 0:
             for f in due:  # the run's last merge takes the outer parameters: it ends on one model
@@ -253,6 +253,18 @@ class DilocoEngine:
             if replica_loss is not None:
                 record["replica_loss"] = replica_loss
             self.replicas.heal_joiners(self, self.run_state(step))  # groups that rejoined just now
+        self._first = getattr(self, "_first", step)  # (the counts are this invocation's, resumed or not)
+        rows = self.mesh.ledger.rows(step)
+        self.replica_bytes += sum(row.bus_bytes for (_, axis), row in rows.items() if axis == AXIS)
+        record["diloco"].update(outer_steps=int(self.outer_steps), replica_bytes_total=self.replica_bytes)
+        if last and self.mesh.is_rank0:
+            per_step = self.replica_bytes / (step - self._first + 1) / 2**10
+            print(
+                f"plait: diloco: the replica axis carried {self.replica_bytes / 2**20:,.2f} MiB from this "
+                f"rank in steps {self._first}..{step} ({per_step:,.1f} KiB per step); "
+                f"{int(self.outer_steps)} outer steps in the run",
+                flush=True,
+            )
         return record
 
     def attach_run(self, scheduler, sampler) -> None:
