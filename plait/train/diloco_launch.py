@@ -110,6 +110,9 @@ def launch_diloco(cfg: Config, resume: bool = False) -> int:
 
     groups, _ = groups_of(cfg)
     use_cuda = _uses_cuda(cfg, cfg.world_size)
+    # the machine's cores shared by every rank of every group (each group's own launcher would
+    # give its ranks the whole machine: M times too many threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.world_size)))
     check_before_start(cfg, use_cuda=use_cuda, ranks=cfg.world_size)
     if not cfg.train.run_dir:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(create_run_dir())))
