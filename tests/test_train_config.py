@@ -162,6 +162,11 @@ BAD = [
         ["--diloco.inner_steps", "4", "--diloco.overlap_steps", "4"],
         ["diloco.overlap_steps = 4 must be below diloco.inner_steps = 4"],
     ),
+    (
+        None,
+        ["--diloco.inner_steps", "8", "--train.max_restarts", "2"],
+        ["train.max_restarts = 2 does not apply to DiLoCo", "diloco.fault_tolerant"],
+    ),
     # the outer exchange takes no error-feedback compressor: refused before any group starts
     (None, ["--diloco.inner_steps", "8", "--diloco.compression", "topk"], ["diloco.compression = 'topk'"]),
     (

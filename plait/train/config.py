@@ -229,7 +229,7 @@ def validate(cfg: Config, data: bool = True) -> None:
     `resolve_auto` runs)."""
     check_bounds(cfg)
     check_values(cfg)
-    check_diloco(cfg.diloco, cfg.parallel)
+    check_diloco(cfg.diloco, cfg.parallel, cfg.train)
     validate_source(cfg)  # the model's source: an hf model refuses what it does not fit
     job = Job.from_config(cfg)
     p = cfg.parallel

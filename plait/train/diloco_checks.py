@@ -13,8 +13,14 @@ DILOCO_OUTER = ("nesterov", "sgd")
 DILOCO_COMPRESSIONS = ("none", "fp16", "bf16", "onebit", "topk", "powersgd")
 
 
-def check_diloco(d, p) -> None:
+def check_diloco(d, p, t=None) -> None:
     """[diloco]'s own ranges (its pricing is plait.planner.diloco; its runtime: check_trainable)."""
+    if d.inner_steps and t is not None and t.max_restarts:
+        raise ConfigError(
+            f"train.max_restarts = {t.max_restarts} does not apply to DiLoCo (diloco.inner_steps = "
+            f"{d.inner_steps}): a failed replica group is restarted by diloco.fault_tolerant = true "
+            "(at most diloco.max_rejoins times); set train.max_restarts = 0"
+        )
     require(d.inner_steps >= 0, f"diloco.inner_steps must be >= 0 (0 = DiLoCo off), got {d.inner_steps}")
     require(d.replicas >= 0, f"diloco.replicas must be >= 0 (0 = parallel.dp), got {d.replicas}")
     if d.replicas:
