@@ -151,11 +151,14 @@ def _watch(cfg: Config, groups: int, store, resume: bool) -> int:
     """Start the groups and wait for them; a failure stops the job or, fault tolerant, restarts
     the group."""
     ft = cfg.diloco.fault_tolerant
-    procs = {g: _start(cfg, g, groups, store, resume, 0) for g in range(groups)}
-    generation = dict.fromkeys(procs, 0)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    procs: dict = {}
+    generation = dict.fromkeys(range(groups), 0)
     lost: list[int] = []
     t0 = time.time()
     try:
+        for g in range(groups):
+            procs[g] = _start(cfg, g, groups, store, resume, 0)
         while procs:
             for g, proc in list(procs.items()):
                 if proc.exitcode is None:
@@ -198,9 +201,26 @@ def _watch(cfg: Config, groups: int, store, resume: bool) -> int:
         _stop(procs)
         sys.stderr.write("plait: interrupted\n")
         return 130
+    except _Terminated:
+        _stop(procs)
+        sys.stderr.write(
+            f"plait: stopped by SIGTERM; continue with: plait train --resume {cfg.train.run_dir} "
+            "(from the newest step every replica group saved)\n"
+        )
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if lost:
         print(f"plait: diloco: finished without replica groups {lost}", flush=True)
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the DiLoCo launcher."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated
 
 
 def _stop(procs: dict) -> None:
