@@ -226,6 +226,7 @@ class DilocoEngine:
         d = self.d
         record: dict = {}
         last = step == self.total_steps
+        self._first = getattr(self, "_first", step)  # (the counts are this invocation's, resumed or not)
         for f in sorted(self.flights):
             if self.flights[f].lands == step or last:
                 self._land(f)
@@ -253,7 +254,6 @@ class DilocoEngine:
             if replica_loss is not None:
                 record["replica_loss"] = replica_loss
             self.replicas.heal_joiners(self, self.run_state(step))  # groups that rejoined just now
-        self._first = getattr(self, "_first", step)  # (the counts are this invocation's, resumed or not)
         rows = self.mesh.ledger.rows(step)
         self.replica_bytes += sum(row.bus_bytes for (_, axis), row in rows.items() if axis == AXIS)
         record["diloco"].update(outer_steps=int(self.outer_steps), replica_bytes_total=self.replica_bytes)
