@@ -140,28 +140,12 @@ class DilocoEngine:
 
     # --- the engine contract: the inner engine's --------------------------------------------
 
-    def __getattr__(self, name):  # optional capabilities (ErrorFeedback, RecordsTimeline, ...)
+    def __getattr__(self, name):
+        # the rest of the contract (forward_backward, eval_loss_sum, grad_norm, clip_grad_norm_,
+        # step, zero_grad, full_parameters) and the optional capabilities (ErrorFeedback, ...)
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
-
-    def forward_backward(self, micro_batches, loss_scale, autocast=None):
-        return self.inner.forward_backward(micro_batches, loss_scale, autocast)
-
-    def eval_loss_sum(self, x, y):
-        return self.inner.eval_loss_sum(x, y)
-
-    def grad_norm(self) -> float:
-        return self.inner.grad_norm()
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        return self.inner.clip_grad_norm_(max_norm)
-
-    def step(self) -> None:
-        self.inner.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none)
 
     def memory(self) -> dict[str, int]:
         """The inner engine's model states, the outer state (anchor, momentum, landed sums) with
@@ -171,9 +155,6 @@ class DilocoEngine:
         mem["optimizer"] = mem.get("optimizer", 0) + outer
         mem["total"] = mem.get("total", 0) + outer
         return mem
-
-    def full_parameters(self):
-        return self.inner.full_parameters()
 
     def finish(self) -> None:
         """The inner engine's step in flight, and every exchange in flight, completed (their

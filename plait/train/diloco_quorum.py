@@ -41,6 +41,7 @@ from plait.train.diloco_replicas import (
     ENV_GENERATION,
     gloo_group,
     launcher_store,
+    on_the_wire,
 )
 
 POLL_S = 0.005
@@ -195,11 +196,7 @@ class QuorumReplicas:
             prefix = f"diloco/pg/{self.round}/{self.attempt}/pos{self.position}/"
             self._pg = (life, gloo_group(self.store, prefix, index, size, self.timeout_s))
         self.mesh.attach_axis(AXIS, self._pg[1], index, size)
-        wire = (
-            torch.zeros(delta.numel(), dtype=wire_dtype) if joining else delta.detach().to("cpu", wire_dtype)
-        )
-        if not joining and wire.data_ptr() == delta.data_ptr():
-            wire = wire.clone()
+        wire = torch.zeros(delta.numel(), dtype=wire_dtype) if joining else on_the_wire(delta, wire_dtype)
         comm.all_reduce(wire, self.mesh, AXIS, logical_bytes=delta.numel() * 4)
         return wire.to(delta.device, torch.float32)
 

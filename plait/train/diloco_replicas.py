@@ -73,13 +73,17 @@ class _Summed:
         return self.wire.to(self.like.device, torch.float32)
 
 
+def on_the_wire(delta: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
+    """A copy of `delta` on the CPU in `wire_dtype`, which the exchange may overwrite."""
+    wire = delta.detach().to("cpu", wire_dtype)
+    return wire.clone() if wire.data_ptr() == delta.data_ptr() else wire
+
+
 def start_sum(mesh, delta: torch.Tensor, wire_dtype: torch.dtype) -> _Summed:
     """The all-reduce (sum) of `delta` over the replica axis in `wire_dtype`, asynchronous. The
     wire is on the CPU (the replica axis is gloo: a slow link between islands), and the ledger
     records its bytes beside the fp32 bytes they stand for."""
-    wire = delta.detach().to("cpu", wire_dtype)
-    if wire.data_ptr() == delta.data_ptr():
-        wire = wire.clone()
+    wire = on_the_wire(delta, wire_dtype)
     handle = comm.all_reduce(wire, mesh, AXIS, async_op=True, logical_bytes=delta.numel() * 4)
     return _Summed(handle, wire, delta)
 
