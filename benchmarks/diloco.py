@@ -39,10 +39,11 @@ times compare like with like.
 
 The acceptance target checked (not tuned): with H = 8 the final held-out loss is within 5% of
 DDP's (ratio <= 1.05) while the replica axis carries at least 8x fewer bytes per step than DDP's
-dp axis.
+dp axis. `--momenta` adds H = 8 runs with another outer momentum (default 0.5): the paper's 0.9
+was tuned for H = 500 from a pretrained start, and on 75 outer steps from scratch it overshoots.
 
 Run from the repository root:  .venv/bin/python benchmarks/diloco.py [--steps 600] [--quick]
-[--hs 8,32,128] [--mixes 0.5,0] [--out PATH]. Prints the table and writes
+[--hs 8,32,128] [--mixes 0.5,0] [--momenta 0.5] [--out PATH]. Prints the table and writes
 benchmarks/results/diloco.md with diloco_loss.png beside it; --quick (40 steps, H 8 and 16,
 Streaming at H 16) writes nothing unless --out is given.
 """
@@ -139,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hs", default="8,32,128", help="DiLoCo's inner steps H, comma-separated")
     ap.add_argument("--streaming-h", type=int, default=32)
     ap.add_argument("--mixes", default="0.5,0", help="Streaming's alpha values, comma-separated")
+    ap.add_argument(
+        "--momenta", default="0.5", help="outer momenta tried at H = 8 beside the paper's 0.9 ('' for none)"
+    )
     ap.add_argument("--smooth", type=int, default=20, help="steps of the running mean in the plot")
     ap.add_argument("--quick", action="store_true", help="smoke check: 40 steps, H 8 and 16, no file")
     ap.add_argument("--out", type=Path, default=None, help="results page (default results/diloco.md)")
@@ -151,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     setups: list[tuple[str, str, int, list[str]]] = [("DDP", "dp", 1, [])]
     for h in (int(x) for x in a.hs.split(",")):
         setups.append((f"DiLoCo H={h}", "replica", h, ["--diloco.inner_steps", str(h)]))
+    for mu in (float(x) for x in a.momenta.split(",") if x.strip()):
+        extra = ["--diloco.inner_steps", "8", "--diloco.outer_momentum", str(mu)]
+        setups.append((f"DiLoCo H=8 μ={mu:g}", "replica", 8, extra))
     sh = a.streaming_h
     for mix in (float(x) for x in a.mixes.split(",")):
         name = f"Streaming F={FRAGMENTS} H={sh} τ={OVERLAP} α={mix:g}"
@@ -192,7 +199,15 @@ def main(argv: list[str] | None = None) -> int:
             f"DDP's dp bytes / DiLoCo's replica bytes = {fewer:.3f}x "
             f"({'meets' if ok_bytes else 'misses'} 8x).",
         ]
-        print(verdict[0])
+        for r in runs:
+            if r.name.startswith("DiLoCo H=8 μ="):
+                ratio = r.val_loss / ddp.val_loss
+                verdict.append(
+                    f"- {r.name} (outer momentum {r.name.split('=')[-1]} instead of the paper's 0.9, "
+                    f"everything else the same): held-out loss ratio {ratio:.4f}, "
+                    f"**{'within' if ratio <= 1.05 else 'over'} 5%** of DDP's."
+                )
+        print("\n".join(verdict))
     if out is None:
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -206,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         [
             f"- Job: `{CONFIG}` (GPT small, {ddp.params:,} parameters, AdamW, global batch 32), "
             f"{a.steps} steps, M = {M} (DDP ranks / DiLoCo replica groups of one rank), held-out loss "
-            f"every {a.eval_every} steps and at the last; outer step Nesterov lr 0.7, momentum 0.9.",
+            f"every {a.eval_every} steps and at the last; outer step Nesterov lr 0.7, momentum 0.9 "
+            "unless named (μ).",
             f"- Streaming: {FRAGMENTS} fragments (one GPT block each), overlap τ = {OVERLAP}, mix α as "
             "named.",
             "- Bytes: this rank's bus bytes per step on the named axis (plait's ledger, every step "
