@@ -1,0 +1,24 @@
+"""Context parallelism: one sequence split over the ranks of a mesh axis, attention exact.
+
+* `plait.context_parallel.sequence`: the layouts (head-tail, contiguous), each rank's positions
+  and the causal work per rank (`ring_work`).
+* `plait.context_parallel.ring`: ring attention with the log-sum-exp merge, K/V (and in backward
+  their gradients) passed round the ring with isend/irecv through plait.comm.
+* `plait.context_parallel.ulysses`: DeepSpeed-Ulysses, all-to-all between the sequence split and
+  a head split.
+"""
+
+from plait.context_parallel.ring import ring_attention
+from plait.context_parallel.sequence import LAYOUTS, SequenceSplit, chunk_bounds, ring_work
+from plait.context_parallel.ulysses import check_heads, sdpa_gqa, ulysses_attention
+
+__all__ = [
+    "LAYOUTS",
+    "SequenceSplit",
+    "check_heads",
+    "chunk_bounds",
+    "ring_attention",
+    "ring_work",
+    "sdpa_gqa",
+    "ulysses_attention",
+]
