@@ -167,8 +167,12 @@ BAD = [
         ["--diloco.inner_steps", "8", "--train.max_restarts", "2"],
         ["train.max_restarts = 2 does not apply to DiLoCo", "diloco.fault_tolerant"],
     ),
-    # the outer exchange takes no error-feedback compressor: refused before any group starts
-    (None, ["--diloco.inner_steps", "8", "--diloco.compression", "topk"], ["diloco.compression = 'topk'"]),
+    # a fault-tolerant outer exchange takes no error-feedback compressor: refused before any group starts
+    (
+        None,
+        ["--diloco.inner_steps", "8", "--diloco.compression", "topk", "--diloco.fault_tolerant", "true"],
+        ["diloco.compression = 'topk' with diloco.fault_tolerant = true", "diloco.fault_tolerant = false"],
+    ),
     (
         None,
         ["--diloco.inner_steps", "8", "--diloco.fault_tolerant", "true", "--diloco.overlap_steps", "2"],

@@ -93,12 +93,14 @@ REFUSED = [
         "use runtime.kind = 'spmd', or diloco.inner_steps = 0",
         ("diloco.inner_steps", "runtime.kind"),
         (("diloco.inner_steps", "4"), ("runtime.kind", "controller"))),
-    _no("diloco-ef", {"diloco-ef"},
-        "diloco.compression = {outer_compression!r} is not available yet",
-        "the error-feedback compressors keep residuals per gradient bucket, and the outer exchange "
-        "has none",
-        "use diloco.compression = 'fp16' or 'bf16' (or 'none')",
-        ("diloco.compression",), (("diloco.inner_steps", "4"), ("diloco.compression", "topk"))),
+    _no("diloco-ft-ef", {"diloco-ef", "diloco-ft"},
+        "diloco.compression = {outer_compression!r} with diloco.fault_tolerant = true is not available",
+        "an error-feedback compressor's residual is each group's own state: a group that heals from "
+        "a live one has no residual of its own, and the quorum's exchange is an all-reduce of its "
+        "own, not the compressor's gather",
+        "use diloco.compression = 'fp16' or 'bf16' (or 'none'), or diloco.fault_tolerant = false",
+        ("diloco.compression", "diloco.fault_tolerant"),
+        (("diloco.inner_steps", "4"), ("diloco.compression", "topk"), ("diloco.fault_tolerant", "true"))),
     _no("diloco-ft-overlap", {"diloco-ft", "diloco-overlap"},
         "diloco.fault_tolerant = true with diloco.overlap_steps = {overlap_steps} is not available",
         "the quorum of live groups is formed at each exchange, which must then complete before "

@@ -135,12 +135,20 @@ def all_gather(
         "all_gather",
         axis,
         _nbytes(output),
-        lambda g: dist.all_gather_single(output, tensor, group=g, async_op=True),
+        lambda g: _gather_into(output, tensor, g),
         async_op,
         output,
         logical_bytes=logical_bytes,
     )
     return h if async_op else output
+
+
+def _gather_into(output: torch.Tensor, tensor: torch.Tensor, group):
+    """torch's gather into one tensor; on a gloo group outside torch's registry of groups (a link
+    between islands, DiLoCo's replica axis), the group's own operation, which needs none."""
+    if group is not None and group not in dist.distributed_c10d._world.pg_map:
+        return group._allgather_base(output, tensor)
+    return dist.all_gather_single(output, tensor, group=group, async_op=True)
 
 
 def reduce_scatter(

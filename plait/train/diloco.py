@@ -26,7 +26,10 @@ The engine acts on the tensors the inner engine trains, as its checkpoint state 
 pp), in place, then calls `checkpoint_loaded` so the inner engine republishes them: every inner
 layout works unchanged, and each rank of a group exchanges only what it holds with the same rank
 of the other groups (`plait.train.diloco_replicas`). Its own state (anchor, outer momentum, a
-fragment's exchanged sum still waiting for its merge, the fragment schedule) goes into the
+fragment's exchanged sum still waiting for its merge, the fragment schedule, and with
+`diloco.compression` = onebit / topk / powersgd the compressor's residual per tensor: error
+feedback on the pseudo-gradient, one bucket per fragment, plait.comm.compress's compressors with
+the [comm] section's ratio, rank and error_feedback) goes into the
 checkpoint beside the inner optimizer's, in the same layout-free form, so a run resumes bit for
 bit, between synchronisations too.
 """
@@ -39,6 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from plait.comm.compress import make_compressor
+from plait.gradsync import GradBucket
 from plait.state import group_options, set_group_options, sharded_tensor
 from plait.train.diloco_quorum import QuorumReplicas
 from plait.train.diloco_replicas import AXIS, FixedReplicas, replica_group
@@ -82,6 +87,7 @@ class _Tensor:
     anchor: torch.Tensor
     momentum: torch.Tensor
     pending: torch.Tensor  # the summed pseudo-gradient of an exchange landed but not yet merged
+    residual: torch.Tensor | None = None  # an error-feedback compressor's carried error
 
 
 @dataclass
@@ -109,9 +115,12 @@ class DilocoEngine:
     """The engine contract (plait.engine) around an inner engine, with DiLoCo's outer step at
     `end_step`; everything else is the inner engine's."""
 
-    def __init__(self, inner, diloco, replicas, total_steps: int):
+    def __init__(self, inner, diloco, replicas, total_steps: int, compressor=None):
         self.inner = inner
         self.d = diloco
+        # onebit / topk / powersgd on the outer exchange (plait.comm.compress), one bucket per
+        # fragment, its residual kept per tensor (saved with the outer state); None: the wire dtype
+        self.compressor = compressor
         self.replicas = replicas  # plait.train.diloco_replicas: the exchange over the groups
         self.mesh = replicas.mesh
         self.total_steps = total_steps
@@ -125,9 +134,9 @@ class DilocoEngine:
         for name, pieces, _ in held:
             frag = fragment_of(name, n_blocks, diloco.fragments)
             for t in pieces:
-                self.tensors.append(
-                    _Tensor(name, frag, t.detach().clone(), torch.zeros_like(t), torch.zeros_like(t))
-                )
+                residual = torch.zeros_like(t) if compressor is not None else None
+                zeros = torch.zeros_like
+                self.tensors.append(_Tensor(name, frag, t.detach().clone(), zeros(t), zeros(t), residual))
         if fresh:  # the state made to read the tensors took a step of rate 0 (Adam's count): undone
             self.optimizer.state.clear()
         self.flights: dict[int, _Flight] = {}
@@ -151,7 +160,8 @@ class DilocoEngine:
         """The inner engine's model states, the outer state (anchor, momentum, landed sums) with
         the optimizer's."""
         mem = dict(self.inner.memory())
-        outer = sum(3 * t.anchor.numel() * t.anchor.element_size() for t in self.tensors)
+        per = 3 if self.compressor is None else 4  # anchor, momentum, pending (and the residual)
+        outer = sum(per * t.anchor.numel() * t.anchor.element_size() for t in self.tensors)
         mem["optimizer"] = mem.get("optimizer", 0) + outer
         mem["total"] = mem.get("total", 0) + outer
         return mem
@@ -172,24 +182,26 @@ class DilocoEngine:
 
     def checkpoint_state(self) -> tuple[dict, dict]:
         """The inner engine's state, and the outer state beside its optimizer's: per tensor
-        `diloco.anchor.<name>`, `diloco.momentum.<name>`, `diloco.pending.<name>` in the inner
-        tensor's own layout (boxes of the whole, as the inner engine saves it), and the
-        schedule (`diloco.pending_lands`, `diloco.pending_n`, `diloco.outer_steps`)."""
+        `diloco.anchor.<name>`, `diloco.momentum.<name>`, `diloco.pending.<name>` (and with an
+        error-feedback compressor `diloco.residual.<name>`) in the inner tensor's own layout
+        (boxes of the whole, as the inner engine saves it), and the schedule
+        (`diloco.pending_lands`, `diloco.pending_n`, `diloco.outer_steps`)."""
         self.finish()
         model_sd, optim_sd = self.inner.checkpoint_state()
         for f in list(self.flights):  # landed: kept as the pending sum until its merge step
             self._land(f)
         held = iter(self.tensors)
+        keys = ("anchor", "momentum", "pending") + (("residual",) if self.compressor is not None else ())
         for name, v in model_sd.items():
             if isinstance(v, ShardedTensor):
                 mine = [(s.metadata.shard_offsets, next(held)) for s in v.local_shards()]
-                for key in ("anchor", "momentum", "pending"):
+                for key in keys:
                     optim_sd[f"diloco.{key}.{name}"] = sharded_tensor(
                         [(off, getattr(t, key)) for off, t in mine], v.size(), v._process_group
                     )
             else:
                 t = next(held)
-                for key in ("anchor", "momentum", "pending"):
+                for key in keys:
                     optim_sd[f"diloco.{key}.{name}"] = getattr(t, key)
         optim_sd["diloco.pending_lands"] = self.pending_lands
         optim_sd["diloco.pending_n"] = self.pending_n
@@ -288,14 +300,32 @@ class DilocoEngine:
         delta = torch.cat([(t.anchor - current[id(t)]).reshape(-1) for t in mine]) if mine else None
         if delta is None:
             delta = torch.zeros(0)
-        handle, n = self.replicas.all_reduce(delta, _WIRE.get(self.d.compression, torch.float32), step, f)
+        if self.compressor is not None and mine:
+            handle, n = self._compressed(f, mine, delta), self.replicas.groups
+        else:
+            handle, n = self.replicas.all_reduce(delta, _WIRE.get(self.d.compression, torch.float32), step, f)
         self.flights[f] = _Flight(delta, handle, n, step + overlap)
         return delta.numel()
+
+    def _compressed(self, f: int, mine: list[_Tensor], delta: torch.Tensor):
+        """Fragment f's pseudo-gradient through the compressor, as one gradient bucket: every
+        group sends C(delta + residual) and keeps the rest as its residual (error feedback, in
+        units of the outer step: the compressor's scale stays 1); the handle's result is the sum
+        of the groups' decoded messages."""
+        bucket = GradBucket(f, [t.anchor for t in mine], [t.name for t in mine], axis=AXIS)
+        bucket.buffer = delta
+        self.compressor.residuals[f] = torch.cat([t.residual.reshape(-1) for t in mine])
+        return self.compressor(bucket, self.mesh, AXIS)
 
     def _land(self, f: int) -> None:
         """Fragment f's exchange completed: its sum kept as `pending` until its merge step."""
         flight = self.flights.pop(f)
         summed = flight.handle.wait()
+        if self.compressor is not None and f in self.compressor.residuals:
+            carried, off = self.compressor.residuals.pop(f), 0
+            for t in self._fragment(f):
+                t.residual.copy_(carried[off : off + t.residual.numel()].view_as(t.residual))
+                off += t.residual.numel()
         off = 0
         for t in self._fragment(f):
             n = t.pending.numel()
@@ -366,4 +396,8 @@ def wrap_diloco(engine, cfg, mesh) -> DilocoEngine:
     timeout = cfg.diloco.quorum_timeout_s
     kind = QuorumReplicas if cfg.diloco.fault_tolerant and groups > 1 else FixedReplicas
     replicas = kind(mesh, group, groups, timeout, cfg.train.steps)
-    return DilocoEngine(engine, cfg.diloco, replicas, cfg.train.steps)
+    compressor = None
+    if cfg.diloco.compression in ("onebit", "topk", "powersgd"):
+        c = cfg.comm  # the [comm] section's settings of the compressor (ratio, rank, error feedback)
+        compressor = make_compressor(cfg.diloco.compression, c.topk_ratio, c.error_feedback, c.powersgd_rank)
+    return DilocoEngine(engine, cfg.diloco, replicas, cfg.train.steps, compressor)
