@@ -39,20 +39,21 @@ def _inputs(T, H, Hkv, seed=0):
     return q, k, v, dout
 
 
-def _errors(fn, mesh, split, T, H, Hkv):
-    """Max |error| of the output and each input gradient against the reference, on this rank's
-    tokens; the ledger's sends (ring) or all-to-all bus bytes (Ulysses) in forward and backward."""
+def _errors(fn, mesh, split, T, H, Hkv, dtype=torch.float64):
+    """Max |error| of the output and each input gradient (computed in `dtype`) against the
+    float64 reference, on this rank's tokens; the ledger's sends (ring) or all-to-all bus bytes
+    (Ulysses) in forward and backward."""
     q, k, v, dout = _inputs(T, H, Hkv)
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = reference(*ref_in)
     ref.backward(dout)
     me = mesh.rank("dp")
     mesh.ledger.clear()
-    loc = [split.take(t, me, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    loc = [split.take(t, me, dim=2).to(dtype).requires_grad_() for t in (q, k, v)]
     mesh.ledger.set_step(1)
     out = fn(*loc)
     mesh.ledger.set_step(2)
-    out.backward(split.take(dout, me, dim=2))
+    out.backward(split.take(dout, me, dim=2).to(dtype))
     errs = {"out": (out - split.take(ref.detach(), me, dim=2)).abs().max().item()}
     for name, mine, whole in zip("qkv", loc, ref_in, strict=True):
         errs["d" + name] = (mine.grad - split.take(whole.grad, me, dim=2)).abs().max().item()
@@ -86,6 +87,28 @@ def _check_world(cp):
         else:
             fn = lambda q, k, v: ulysses_attention(q, k, v, mesh, "dp")  # noqa: E731
         out[(style, layout, T)] = _errors(fn, mesh, split, T, H, Hkv)
+    # fp32, as training computes (the blocks accumulate in fp32): head-tail ring and Ulysses
+    split = SequenceSplit(8 * cp, cp)
+    fp32 = {
+        "ring": _errors(
+            lambda q, k, v: ring_attention(q, k, v, mesh, "dp", split),
+            mesh,
+            split,
+            8 * cp,
+            4,
+            2,
+            torch.float32,
+        )[0],
+        "ulysses": _errors(
+            lambda q, k, v: ulysses_attention(q, k, v, mesh, "dp"),
+            mesh,
+            SequenceSplit(8 * cp, cp, "contiguous"),
+            8 * cp,
+            2 * cp,
+            cp,
+            torch.float32,
+        )[0],
+    }
     # planted bugs, on the even head-tail case
     split = SequenceSplit(8 * cp, cp)
     ring = lambda q, k, v: ring_attention(q, k, v, mesh, "dp", split)  # noqa: E731
@@ -114,7 +137,7 @@ def _check_world(cp):
         planted["no lse correction"] = _errors(ring, mesh, split, 8 * cp, 4, 2)[0]
     finally:
         ring_mod.torch.logaddexp = keep_lae
-    return out, planted
+    return out, planted, fp32
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +164,7 @@ def _expected_sends(cp, r, T, Hkv, layout):
 def test_ring_and_ulysses_equal_attention_from_its_equations(world, request):
     ranks = request.getfixturevalue(world)
     cp = len(ranks)
-    for r, (out, _) in enumerate(ranks):
+    for r, (out, _, _) in enumerate(ranks):
         for (style, layout, T), (errs, sent, a2a) in out.items():
             assert max(errs.values()) < TOL, (cp, r, style, layout, T, errs)
             H, Hkv = next((h, hk) for s, lay, t, h, hk in _cases(cp) if (s, lay, t) == (style, layout, T))
@@ -161,16 +184,23 @@ def test_the_even_ring_sends_the_issues_formula(world4):
     """Even split: forward 2(cp-1)·B·(T/cp)·h_kv·d·bytes, backward twice that (K, V and dK, dV)."""
     cp, T, Hkv = 4, 32, 2
     want = 2 * (cp - 1) * B * (T // cp) * Hkv * D * 8
-    for out, _ in world4:
+    for out, _, _ in world4:
         _, sent, _ = out[("ring", "head-tail", T)]
         assert sent == {1: want, 2: 2 * want}
 
 
 @pytest.mark.parametrize("world", ["world2", "world4"])
 def test_planted_ring_bugs_are_seen(world, request):
-    for _, planted in request.getfixturevalue(world):
+    for _, planted, _ in request.getfixturevalue(world):
         for bug, errs in planted.items():
             assert max(errs.values()) > 3 * TOL * 1e6, (bug, errs)  # far beyond 3x the tolerance
+
+
+@pytest.mark.parametrize("world", ["world2", "world4"])
+def test_in_fp32_the_ring_and_ulysses_are_within_1e_5_of_the_reference(world, request):
+    for _, _, fp32 in request.getfixturevalue(world):
+        for style, errs in fp32.items():
+            assert max(errs.values()) < 1e-5, (style, errs)
 
 
 def test_head_tail_balances_the_causal_work():
