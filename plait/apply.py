@@ -13,7 +13,10 @@ planner's probes all call this function; nothing else builds an engine. The orde
 5. data parallelism or ZeRO 1-3 with offload over the part, and the optimizer (`zero.wrap`):
    the gradient exchange is started by backward hooks, or by the pipeline schedule (the
    "manual" trigger) when a pipeline runs the part;
-6. a pipeline's schedule runtime over that engine (`PipelineEngine`).
+6. a pipeline's schedule runtime over that engine (`PipelineEngine`);
+7. context parallelism around the whole (`ContextParallelEngine`): each rank keeps its cp part of
+   every sequence, the model's `attention` and `positions` see the split, and the gradients are
+   averaged over dp x cp by step 5 (the weights are replicated over cp).
 
 Steps 1 and 2 replace modules of the model (an embedding by its vocab-parallel shard, experts by
 this rank's): they run on the model before the cut, because pipeline stages share the model's
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from torch import nn
 
 from plait import zero
+from plait.context_parallel import ContextParallelEngine
 from plait.engine import Engine
 from plait.errors import ConfigError
 from plait.layout import Job, Layout, check
@@ -69,7 +73,8 @@ def parallelize(
             (e.g. weight decay on matrices only); default one group.
         plan, rules: the tensor-parallel plan (default the model's `tp_plan()`) and the layout
             rules over its named dims (plait.tensor_parallel.apply_tp).
-        seed: the dropout streams of split layers: seed + 1000 x (1 + dp rank).
+        seed: the dropout streams of split layers: seed + 1000 x (1 + data rank), the data rank
+            dp rank x cp + cp rank (each chunk of a sequence has its own).
         blocks: the blocks activation checkpointing recomputes and ZeRO-3 gathers one at a time
             (default the model's `plait_blocks()` and torch's Transformer layers).
         comm_hook: a compressor (plait.comm.compress) or 1-bit Adam's momentum hook: replaces the
@@ -84,12 +89,13 @@ def parallelize(
     if job is not None:
         check(layout, job)
     if layout.sizes != mesh.sizes:
-        raise ConfigError(f"parallelize: the layout is {layout.describe()} but the mesh is {mesh.shape_str}")
+        raise ConfigError(f"parallelize: the layout is {layout.describe()} but the mesh is {mesh.shape_str()}")
     model.to(mesh.device)
     if layout.ep > 1:  # each MoE layer keeps this rank's experts; tokens reach them by all-to-all
         apply_ep(model, mesh)
     if layout.tp > 1:
-        dropout_seed = seed + 1000 * (1 + mesh.rank("dp"))  # one dropout stream per dp replica
+        # one dropout stream per dp replica and per chunk of a sequence
+        dropout_seed = seed + 1000 * (1 + mesh.rank("dp") * layout.cp + mesh.rank("cp"))
         apply_tp(
             model, mesh, plan, sequence_parallel=layout.sequence_parallel, seed=dropout_seed, rules=rules
         )
@@ -113,6 +119,8 @@ def parallelize(
         engine = PipelineEngine(cut, engine, mesh, recompute=layout.activation_checkpointing)
     engine.placements = placements
     engine.local_params = local_params  # elements of this rank's part, before ZeRO shards them
+    if layout.cp > 1:
+        engine = ContextParallelEngine(engine, mesh, layout.cp_style)
     return engine
 
 

@@ -1,6 +1,6 @@
 """`Layout`: how one training job is split over its processes, in one record.
 
-The degrees (pp, dp = dp_replicate x dp_shard, ep, tp), the ZeRO stage, sequence parallelism,
+The degrees (pp, dp = dp_replicate x dp_shard, ep, cp, tp), the ZeRO stage, sequence parallelism,
 the pipeline schedule, gradient compression and offload: everything `plait.apply.parallelize`
 needs to turn a model part into an engine, and everything the planner enumerates. What can be
 derived from the degrees is derived here (the axes the batch is split over, the axis ZeRO shards
@@ -35,15 +35,17 @@ EF_COMPRESSORS = ("onebit", "topk", "powersgd")  # the compressors 1-bit Adam ca
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The split of one job (see the module doc). Degrees are sizes of the mesh's axes, outermost
-    first: pp, dp, ep, tp; `dp_shard` > 0 splits dp into replicate x shard (hybrid sharding)."""
+    first: pp, dp, ep, cp, tp; `dp_shard` > 0 splits dp into replicate x shard (hybrid sharding)."""
 
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1
     tp: int = 1
     dp_shard: int = 0  # hybrid sharding: shard within groups of this many dp ranks (0: all of dp)
     zero_stage: int = 0
     sequence_parallel: bool = False
+    cp_style: str = "ring"  # context parallelism's attention: "ring" or "ulysses"
     schedule: str = "1f1b"
     microbatches: int = 0  # a pipeline's micro-batches per step; 0: 2 x pp
     virtual_stages: int = 0  # stages per pipeline rank; 0: the schedule's own
@@ -60,7 +62,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.ep * self.tp
+        return self.pp * self.dp * self.ep * self.cp * self.tp
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -76,9 +78,11 @@ class Layout:
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        """The axes the batch is split over: dp, and ep under expert parallelism (each ep rank
-        routes its own tokens)."""
-        return ("dp", "ep") if self.ep > 1 else ("dp",)
+        """The axes the tokens are split over, which the gradients are averaged (or ZeRO's
+        shards reduce-scattered) over: dp, ep under expert parallelism (each ep rank routes its
+        own tokens) and cp under context parallelism (each cp rank holds a part of every
+        sequence; the weights are replicated over cp, their gradients partial)."""
+        return ("dp",) + (("ep",) if self.ep > 1 else ()) + (("cp",) if self.cp > 1 else ())
 
     @property
     def shard_axis(self) -> str:
@@ -125,7 +129,7 @@ class Layout:
         if world is not None and self.world != world:
             raise ConfigError(
                 f"layout {self.describe()} covers {self.world} ranks but there are {world} processes: "
-                f"make pp x dp x ep x tp = {world}"
+                f"make pp x dp x ep x cp x tp = {world}"
             )
         if self.dp_shard and self.dp % self.dp_shard:
             raise ConfigError(f"hybrid shard {self.dp_shard} must divide dp = {self.dp}")
@@ -140,7 +144,9 @@ class Layout:
             pp=p.pp,
             dp=p.dp,
             ep=p.ep,
+            cp=p.cp,
             tp=p.tp,
+            cp_style=p.cp_style,
             dp_shard=p.hybrid_shard,
             zero_stage=p.zero_stage,
             sequence_parallel=p.sequence_parallel,
@@ -207,6 +213,7 @@ def features(layout: Layout, job: Job = Job()) -> frozenset[str]:
     on = {axis for axis in AXES if getattr(layout, axis) > 1}
     flags = {
         "sp": layout.sequence_parallel,
+        "cp-ring": layout.cp > 1 and layout.cp_style == "ring",
         "zero": layout.zero_stage >= 1,
         "zero3": layout.zero_stage == 3,
         "hybrid": layout.hybrid,

@@ -1,8 +1,9 @@
-"""The device mesh: named axes pp, dp, ep, tp laid over the ranks of a process group.
+"""The device mesh: named axes pp, dp, ep, cp, tp laid over the ranks of a process group.
 
-Axes run from outermost to innermost (pp, dp, ep, tp): tp changes fastest from one global rank to
-the next, so tensor-parallel peers sit on the closest devices (one node's NVLink), and pipeline
-stages, which exchange the least, sit furthest apart. A `Mesh` is built on torch's `DeviceMesh`
+Axes run from outermost to innermost (pp, dp, ep, cp, tp): tp changes fastest from one global rank
+to the next, so tensor-parallel peers sit on the closest devices (one node's NVLink), context-
+parallel peers (a sequence split over cp, whose attention passes keys and values every layer)
+next to them, and pipeline stages, which exchange the least, sit furthest apart. A `Mesh` is built on torch's `DeviceMesh`
 and is passed explicitly to every function that communicates; plait keeps no global mesh.
 
 The mesh also owns what every collective must be recorded in (see `plait.comm`): the ledger of
@@ -25,7 +26,7 @@ from plait.comm.ports import is_loopback, loopback_store
 from plait.comm.recorder import FlightRecorder, Watchdog
 from plait.errors import TopologyError
 
-AXES = ("pp", "dp", "ep", "tp")
+AXES = ("pp", "dp", "ep", "cp", "tp")
 WORLD = "world"  # a pseudo-axis spanning every rank of the mesh
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -88,14 +89,15 @@ def _loopback_rendezvous(timeout_s: float) -> dict:
 
 def _product(sizes: dict[str, int], axes: tuple[str, ...]):
     """Every coordinate tuple over `axes`, in row-major order."""
-    return itertools.product(*(range(sizes[a]) for a in axes))
+    return itertools.product(*(range(sizes.get(a, 1)) for a in axes))
 
 
 def global_rank_at(sizes: dict[str, int], coords: dict[str, int]) -> int:
-    """The global rank at `coords` of a mesh of `sizes` (row-major over AXES: tp fastest)."""
+    """The global rank at `coords` of a mesh of `sizes` (row-major over AXES: tp fastest; an axis
+    `sizes` leaves out has size 1)."""
     rank = 0
     for axis in AXES:
-        rank = rank * sizes[axis] + coords[axis]
+        rank = rank * sizes.get(axis, 1) + coords.get(axis, 0)
     return rank
 
 
@@ -132,16 +134,16 @@ def hybrid_dp_groups(sizes: dict[str, int], f: int) -> dict[str, list[list[int]]
     groups are a shard group with its tensor-parallel peers (a tensor split over both axes)."""
     dp = sizes["dp"]
     lines: dict[str, list[list[int]]] = {"dp_shard": [], "dp_replicate": [], "dp_shard*tp": []}
-    for c in _product(sizes, ("pp", "ep", "tp")):
-        o = dict(zip(("pp", "ep", "tp"), c, strict=True))
+    for c in _product(sizes, ("pp", "ep", "cp", "tp")):
+        o = dict(zip(("pp", "ep", "cp", "tp"), c, strict=True))
         for rep in range(dp // f):
             lines["dp_shard"].append([global_rank_at(sizes, {**o, "dp": rep * f + i}) for i in range(f)])
         for i in range(f):
             lines["dp_replicate"].append(
                 [global_rank_at(sizes, {**o, "dp": rep * f + i}) for rep in range(dp // f)]
             )
-    for c in _product(sizes, ("pp", "ep")):  # a shard group and its tensor-parallel peers
-        o = dict(zip(("pp", "ep"), c, strict=True))
+    for c in _product(sizes, ("pp", "ep", "cp")):  # a shard group and its tensor-parallel peers
+        o = dict(zip(("pp", "ep", "cp"), c, strict=True))
         for rep in range(dp // f):
             lines["dp_shard*tp"].append(
                 [
@@ -163,7 +165,8 @@ class Mesh:
     have no process group (`group()` returns None) and collectives over them are free no-ops.
 
     Args:
-        pp, dp, ep, tp: sizes of the pipeline, data, expert and tensor parallel axes.
+        pp, dp, ep, cp, tp: sizes of the pipeline, data, expert, context (sequence) and tensor
+            parallel axes.
         device: the device this rank computes on; default CUDA if available, else CPU. The
             process group's backend must suit it (NCCL for CUDA, gloo for the CPU).
         timeout_s: a collective that has not completed after this many seconds is a hang: the
@@ -188,12 +191,13 @@ class Mesh:
         ep: int = 1,
         tp: int = 1,
         *,
+        cp: int = 1,
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         watchdog: bool = True,
         dp_shard: int | None = None,
     ):
-        sizes = {"pp": pp, "dp": dp, "ep": ep, "tp": tp}
+        sizes = {"pp": pp, "dp": dp, "ep": ep, "cp": cp, "tp": tp}
         for name, n in sizes.items():
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise TopologyError(f"mesh axis {name} must be a positive integer, got {n!r}")
@@ -208,7 +212,7 @@ class Mesh:
             shape = " x ".join(f"{k}={v}" for k, v in sizes.items())
             raise TopologyError(
                 f"mesh {shape} covers {product} ranks but the world size is {world}: "
-                f"make the product of pp, dp, ep and tp equal {world}"
+                f"make the product of pp, dp, ep, cp and tp equal {world}"
             )
         if timeout_s <= 0:
             raise TopologyError(f"timeout_s must be positive, got {timeout_s}")

@@ -91,11 +91,11 @@ def test_describe_table_lists_every_row():
 
 def test_derived_axes_and_pipeline_shape():
     lay = Layout(pp=2, dp=4, ep=2, tp=2, dp_shard=2, zero_stage=3, schedule="interleaved")
-    assert lay.world == 32 and lay.sizes == {"pp": 2, "dp": 4, "ep": 2, "tp": 2}
+    assert lay.world == 32 and lay.sizes == {"pp": 2, "dp": 4, "ep": 2, "cp": 1, "tp": 2}
     assert lay.hybrid and lay.dp_replicate == 2 and lay.shard_axis == "dp_shard"
     assert lay.replicate_axis == "dp_replicate" and lay.data_axes == ("dp", "ep")
     assert lay.pipeline_microbatches == 4 and lay.stages_per_rank == 2 and lay.n_stages == 4
-    assert lay.describe() == "pp=2 x dp=4 x ep=2 x tp=2"
+    assert lay.describe() == "pp=2 x dp=4 x ep=2 x cp=1 x tp=2"
     combined = lay.combined_axes()
     assert len(combined) == 2**4 - 4 - 1 and ("pp", "dp", "ep", "tp") in combined and ("dp", "tp") in combined
     assert Layout(dp=2, tp=2).combined_axes() == [("dp", "tp")] and Layout(dp=8).combined_axes() == []
@@ -103,7 +103,7 @@ def test_derived_axes_and_pipeline_shape():
     assert plain.data_axes == ("dp",) and plain.shard_axis == "dp" and plain.replicate_axis is None
     assert Layout(pp=2, microbatches=6, virtual_stages=3).n_stages == 6
     lay.check_degrees(32)
-    with pytest.raises(ConfigError, match="make pp x dp x ep x tp = 8"):
+    with pytest.raises(ConfigError, match="make pp x dp x ep x cp x tp = 8"):
         plain.check_degrees(8)
     with pytest.raises(ConfigError, match="hybrid shard 3 must divide dp = 2"):
         Layout(dp=2, dp_shard=3).check_degrees()

@@ -2,6 +2,8 @@
 hand-written rank lists, and a live Mesh of 4 ranks in every layout: coordinates, sizes, ranks,
 the process groups' own rank lists, and the errors for sizes that do not fit."""
 
+import itertools
+
 import pytest
 import torch.distributed as dist
 
@@ -64,10 +66,10 @@ def test_hybrid_groups_on_dp4_tp2():
 # --- a live mesh of 4 ranks --------------------------------------------------------------------
 
 # (outer axis, inner axis) of each 2 x 2 layout, in mesh order; and the 4-rank single axes
-PAIRS = [("pp", "dp"), ("pp", "ep"), ("pp", "tp"), ("dp", "ep"), ("dp", "tp"), ("ep", "tp")]
-SINGLES = ["pp", "dp", "ep", "tp"]
+SINGLES = ["pp", "dp", "ep", "cp", "tp"]
+PAIRS = list(itertools.combinations(SINGLES, 2))
 # combined axes a 2 x 2 mesh names by their axes (a combination of axes larger than 1)
-COMBINED = {("pp", "dp"): "pp*dp", ("dp", "ep"): "dp*ep", ("dp", "tp"): "dp*tp"}
+COMBINED = {("pp", "dp"): "pp*dp", ("dp", "ep"): "dp*ep", ("dp", "tp"): "dp*tp", ("dp", "cp"): "dp*cp"}
 
 
 def _describe(mesh: Mesh, axes) -> dict:
@@ -181,7 +183,7 @@ def test_hybrid_sharding_groups_on_four_ranks(ranks_4):
 def test_bad_sizes_are_refused_with_the_reason(ranks_4):
     bad = ranks_4[0]["bad"]
     assert "covers 2 ranks but the world size is 4" in bad["product"], bad["product"]
-    assert "pp=1 x dp=2 x ep=1 x tp=4" in bad["product-2"] and "covers 8 ranks" in bad["product-2"]
+    assert "pp=1 x dp=2 x ep=1 x cp=1 x tp=4" in bad["product-2"] and "covers 8 ranks" in bad["product-2"]
     for name, axis, value in (
         ("zero", "dp", "0"),
         ("negative", "dp", "-4"),

@@ -471,7 +471,7 @@ def test_plan_auto_refuses_an_impossible_world_and_bad_keys():
         check_auto(load_config(None, [("parallel.plan", "auto"), ("parallel.world", "3")]))
     with pytest.raises(ConfigError, match="parallel.plan = 'magic' is not valid; valid: manual, auto"):
         load_config(None, [("parallel.plan", "magic")])
-    with pytest.raises(ConfigError, match="parallel.world = 4 but parallel.pp x dp x ep x tp = 2"):
+    with pytest.raises(ConfigError, match="parallel.world = 4 but parallel.pp x dp x ep x cp x tp = 2"):
         load_config(None, [("parallel.world", "4")])
     with pytest.raises(ConfigError, match="parallel.tp = 8"):  # a constraint no layout can keep
         check_auto(

@@ -82,7 +82,7 @@ class ProgramActor(Actor):
     """One rank of a driver mesh: a `plait.parallelize` engine on this process."""
 
     def __init__(self) -> None:
-        self.rank = current_rank().rank  # row-major over (pp, dp, ep, tp): tp fastest
+        self.rank = current_rank().rank  # row-major over (pp, dp, ep, cp, tp): tp fastest
         self.engine = None
         self.failed = ""
 

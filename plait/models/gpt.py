@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from plait.context_parallel import attention, positions
 from plait.models.gpt_config import GPT_CONFIG_NAMES, GPTConfig, gpt_config
 from plait.models.gpt_parallel import gpt_plan, split_gpt
 from plait.moe import MoE, attach_loss
@@ -75,16 +76,16 @@ class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(d) + causal mask) v with attention dropout: no parameters.
 
     A module of its own so that a parallel plan can wrap it (tensor parallelism runs it on a
-    per-rank random stream: each rank drops out its own heads)."""
+    per-rank random stream: each rank drops out its own heads). It calls plait's `attention`,
+    which is scaled dot-product attention except under context parallelism, where it attends
+    over the whole sequence of which this rank holds a part (plait.context_parallel)."""
 
     def __init__(self, dropout: float) -> None:
         super().__init__()
         self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        return attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
 
 
 class FeedForward(nn.Module):
@@ -236,7 +237,7 @@ class GPT(nn.Module):
             )
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        pos = torch.arange(T, device=idx.device)
+        pos = positions(T, idx.device)  # 0..T-1, or this rank's own under context parallelism
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from plait.context_parallel import positions
 from plait.pipeline.stage import stage_bounds
 from plait.tp_plan import (
     Colwise,
@@ -64,7 +65,7 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.is_first:
-            pos = torch.arange(x.shape[1], device=x.device)
+            pos = positions(x.shape[1], x.device)
             x = self.drop(self.wte(x) + self.wpe(pos))
         for block in self.blocks.values():
             x = block(x)

@@ -9,8 +9,9 @@ weight files (`hf_weights`) all build on it without importing one another in a c
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from plait.context_parallel import attention, positions
 
 
 def hf_model_class(arch: str):
@@ -25,13 +26,11 @@ def hf_model_class(arch: str):
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of (B, heads, T, hd) q on (B, kv heads, T, hd) k, v: each key/value head
-    serves the consecutive group of query heads it is repeated for (grouped-query attention).
-    `scale` is 1/sqrt(hd) for both models: the configs plait builds use neither GPT-2's per-layer
-    scaling nor Llama's separate head_dim."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    serves the consecutive group of query heads it is repeated for (grouped-query attention),
+    through plait's `attention` (exact across the ranks under context parallelism). `scale` is
+    1/sqrt(hd) for both models: the configs plait builds use neither GPT-2's per-layer scaling
+    nor Llama's separate head_dim."""
+    return attention(q, k, v, scale=scale)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -63,8 +62,8 @@ class LlamaBlock(nn.Module):
         q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
         B, T, _ = q.shape  # the whole sequence, also when h is a sequence shard
         q, k, v = (t.view(B, T, -1, a.head_dim).transpose(1, 2) for t in (q, k, v))
-        positions = torch.arange(T, device=q.device).unsqueeze(0)
-        cos, sin = self._rotary[0](q, positions)
+        # 0..T-1, or this rank's own positions under context parallelism: the rotary angles
+        cos, sin = self._rotary[0](q, positions(T, q.device).unsqueeze(0))
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         y = _sdpa(_rotate(q, cos, sin), _rotate(k, cos, sin), v, a.head_dim**-0.5)
         return a.o_proj(y.transpose(1, 2).reshape(B, T, -1))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.context_parallel import positions
 from plait.errors import ConfigError
 
 
@@ -89,7 +90,7 @@ def embed(cfg, parts: Parts, root: nn.Module, idx: torch.Tensor) -> torch.Tensor
     """The first stage's work: the tokens through `parts.first` in order (GPT-2: token plus
     learned position embeddings, then its dropout)."""
     if cfg.arch == "gpt2" and not cfg.generic:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+        pos = positions(idx.shape[1], idx.device)  # this rank's own under context parallelism
         return root.drop(root.wte(idx) + root.wpe(pos))
     x = idx
     for name in parts.first:

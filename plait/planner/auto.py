@@ -1,6 +1,6 @@
 """`plait train --parallel.plan auto`: the planner chooses the layout of the processes at hand.
 
-The processes: ``parallel.world`` (0: the product pp x dp x ep x tp as configured, 2 by default).
+The processes: ``parallel.world`` (0: the product pp x dp x ep x cp x tp as configured, 2 by default).
 The layout keys (`LAYOUT_KEYS`) set to anything but their default are constraints: the planner
 only considers layouts with those values (``--parallel.tp 2`` keeps tp = 2, ``--parallel.zero_stage
 3`` keeps ZeRO-3); a key left at its default is the planner's to choose. (A key given on the command

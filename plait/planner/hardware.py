@@ -187,10 +187,10 @@ def _log_interp(xs: list[float], ys: list[float], x: float) -> float:
 
 
 def axis_links(cluster: Cluster, sizes: dict[str, int]) -> dict[str, Link]:
-    """The link each mesh axis lives on, for sizes {"pp", "dp", "ep", "tp"}: tp innermost, so
+    """The link each mesh axis lives on, for sizes {"pp", "dp", "ep", "cp", "tp"}: tp innermost, so
     the span of an axis is its size times the sizes inside it (plait.mesh's mixed radix)."""
     out, inner = {}, 1
-    for axis in ("tp", "ep", "dp", "pp"):
+    for axis in ("tp", "cp", "ep", "dp", "pp"):
         n = sizes.get(axis, 1)
         out[axis] = cluster.link_for(inner * n)
         inner *= n

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from plait.comm.compress import COMPRESSIONS
+from plait.context_parallel import STYLES as CP_STYLES
+from plait.context_parallel import check_heads, split_for
 from plait.data import DistributedBatchSampler, load_corpus
 from plait.data.sources import binary_note
 from plait.data.tokenizer import MAX_BPE_VOCAB, tokenizer_vocab_size
@@ -86,7 +88,7 @@ def check_bounds(cfg) -> None:
     world = cfg.world_size
     require(
         world <= MAX_SIZE,
-        f"parallel.pp x dp x ep x tp = {world:,} ranks is out of range: at most {MAX_SIZE:,}",
+        f"parallel.pp x dp x ep x cp x tp = {world:,} ranks is out of range: at most {MAX_SIZE:,}",
     )
 
 
@@ -145,10 +147,11 @@ def check_values(cfg) -> None:
 
 
 def _check_parallel(p) -> None:
-    for name in ("dp", "tp", "pp", "ep"):
+    for name in ("dp", "tp", "pp", "ep", "cp"):
         require(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    _valid("parallel.cp_style", p.cp_style, CP_STYLES, "is not valid")
     _valid("parallel.plan", p.plan, PLANS, "is not valid")
-    require(p.world >= 0, f"parallel.world must be >= 0 (0 = pp x dp x ep x tp), got {p.world}")
+    require(p.world >= 0, f"parallel.world must be >= 0 (0 = pp x dp x ep x cp x tp), got {p.world}")
     require(p.bucket_mb > 0, f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
     _valid("parallel.zero_stage", p.zero_stage, ZERO_STAGES, "is not valid")
     require(
@@ -266,12 +269,41 @@ def check_fits(cfg, layout: Layout, data: bool) -> None:
         f"model.seq_len = {model.seq_len} is not divisible by parallel.tp = {p.tp} "
         "(parallel.sequence_parallel)",
     )
+    if p.cp > 1:
+        _check_cp_fits(cfg, model, python)
     if p.pp > 1:
         _check_pipeline_fits(cfg, layout, None if python else model.n_layer)
     if cfg.ps.servers and m.source == "plait":
         _check_ps_fits(cfg)
     if cfg.offload.optimizer == "disk" and cfg.offload.path:
         check_writable_dir(cfg.offload.path, "offload.path")
+
+
+def _check_cp_fits(cfg, model, python: bool) -> None:
+    """Context parallelism: the sequence splits into the style's chunks (`split_for` says why
+    not), each rank's part splits over tp under sequence parallelism, Ulysses' heads divide by
+    tp x cp, and the model attends through plait's `attention` (a transformers layer of the
+    generic path computes its own)."""
+    p = cfg.parallel
+    split = split_for(model.seq_len, p.cp, p.cp_style)
+    if p.sequence_parallel:
+        lens = sorted({split.local_len(r) for r in range(p.cp)})
+        require(
+            all(n % p.tp == 0 for n in lens),
+            f"model.seq_len = {model.seq_len} over parallel.cp = {p.cp} gives each rank "
+            f"{' or '.join(map(str, lens))} tokens, which do not split over parallel.tp = {p.tp} "
+            f"(parallel.sequence_parallel): use a seq_len that is a multiple of {2 * p.cp * p.tp}",
+        )
+    if p.cp_style == "ulysses" and not python:
+        kv = getattr(model, "n_kv_head", None) or model.n_head  # grouped-query attention's, or n_head
+        check_heads(model.n_head // p.tp, kv // p.tp, p.cp)
+    source = cfg.model.source
+    require(
+        not source.startswith("hf:") or not model.generic,
+        f"parallel.cp = {p.cp} needs a model whose attention is plait's (plait's GPT, hf:llama, "
+        f"hf:gpt2, or a python: model that calls plait.context_parallel.attention); model.source = "
+        f"{source!r} runs transformers' own layers: set parallel.cp = 1",
+    )
 
 
 def _check_batch_split(cfg) -> None:

@@ -238,7 +238,7 @@ def validate(cfg: Config, data: bool = True) -> None:
         return
     require(
         p.world in (0, cfg.world_size),
-        f"parallel.world = {p.world} but parallel.pp x dp x ep x tp = {cfg.world_size}: with "
+        f"parallel.world = {p.world} but parallel.pp x dp x ep x cp x tp = {cfg.world_size}: with "
         "parallel.plan = 'manual' the degrees give the world; set parallel.world = 0 (or "
         f"{cfg.world_size}), or parallel.plan = 'auto' to have the layout chosen",
     )

@@ -125,6 +125,7 @@ def make_mesh(cfg: Config) -> Mesh:
         dp=p.dp,
         ep=p.ep,
         tp=p.tp,
+        cp=p.cp,
         device=device,
         timeout_s=cfg.comm.timeout_s,
         dp_shard=p.hybrid_shard or None,
@@ -271,9 +272,10 @@ def _setup(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         engine.optimizer, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.min_lr / t.lr)
     )
-    # dropout streams differ per data-parallel replica; tensor-parallel peers share theirs, as
-    # they must for dropout on replicated activations (split ones use apply_tp's own stream)
-    torch.manual_seed(t.seed + 1 + data_rank)
+    # dropout streams differ per data-parallel replica and per chunk of a sequence (cp); tensor-
+    # parallel peers share theirs, as they must for dropout on replicated activations (split
+    # ones use apply_tp's own stream)
+    torch.manual_seed(t.seed + 1 + data_rank * mesh.size("cp") + mesh.rank("cp"))
 
     start = _resume_state(run_dir, mesh, engine, scheduler, sampler) if resume and not from_peer else 0
     if isinstance(engine, OuterSteps):

@@ -149,7 +149,7 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
-    """How the work is split; the world size is the product pp x dp x ep x tp."""
+    """How the work is split; the world size is the product pp x dp x ep x cp x tp."""
 
     dp: int = _f(2, "data-parallel degree")
     tp: int = _f(1, "tensor-parallel degree (Megatron-LM: heads, MLP and vocabulary split over tp ranks)")
@@ -161,6 +161,14 @@ class ParallelConfig:
     )
     ep: int = _f(
         1, "expert-parallel degree: each MoE layer's experts split over ep ranks (needs model.experts)"
+    )
+    cp: int = _f(
+        1,
+        "context-parallel degree: every sequence split over cp ranks, attention exact across them "
+        "(docs/context-parallel.md)",
+    )
+    cp_style: str = _f(
+        "ring", "context parallelism's attention: ring (K/V passed round the ranks) or ulysses (all-to-all)"
     )
     bucket_mb: float = _f(25.0, "gradient bucket size in MB for the data-parallel all-reduce")
     sequence_parallel: bool = _f(
@@ -177,7 +185,7 @@ class ParallelConfig:
         "manual (the keys above) or auto: plait plan chooses the layout of parallel.world processes on "
         "this machine (calibrated); layout keys set to other than their default are kept as constraints",
     )
-    world: int = _f(0, "parallel.plan = auto: processes to run (0 = pp x dp x ep x tp as configured)")
+    world: int = _f(0, "parallel.plan = auto: processes to run (0 = pp x dp x ep x cp x tp as configured)")
 
 
 @dataclasses.dataclass
@@ -300,7 +308,7 @@ class Config:
     @property
     def world_size(self) -> int:
         p = self.parallel
-        return p.pp * p.dp * p.ep * p.tp
+        return p.pp * p.dp * p.ep * p.cp * p.tp
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,0 +1,72 @@
+"""`ContextParallelEngine`: the cp axis around any engine, so the step loop never knows about it.
+
+Every micro-batch (training and held-out) arrives whole, as the data-parallel rank's rows; this
+engine keeps its cp rank's tokens of every sequence (`SequenceSplit.take`: head-tail chunks for
+the ring, contiguous ones for Ulysses) and runs the inner engine (data parallel, ZeRO, a
+pipeline, with tp) on them inside `sequence_split`, where the model's `positions` and
+`attention` see the split (plait.context_parallel.attention). What the loop sees is one data
+rank per dp coordinate:
+
+* the loss: the inner engine returns the sum of this rank's token losses; it is summed over cp
+  here, so the value returned is the dp rank's, whatever cp is (the loop divides by the global
+  token count as before: the printed and logged loss is the global one);
+* the gradient: the loop's `loss_scale` is 1 / tokens per dp rank; the weights are replicated
+  over cp and every cp rank's gradient is the part of the dp rank's that its tokens contribute,
+  so the scale is multiplied by cp here and the gradient synchroniser averages over dp x cp
+  (`Layout.data_axes` names cp: ZeRO shards over dp x cp, as FSDP does).
+
+Everything else (the optimizer, norms, checkpoints, memory) is the inner engine's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait import comm
+from plait.context_parallel.attention import sequence_split, split_for
+
+AXIS = "cp"
+
+
+class ContextParallelEngine:
+    """The inner engine on this rank's part of every sequence (module docstring)."""
+
+    def __init__(self, inner, mesh, style: str, axis: str = AXIS):
+        self.inner, self.mesh, self.style, self.axis = inner, mesh, style, axis
+        self.cp = mesh.size(axis)
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not yet set (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _local(self, tensors, split):
+        r = self.mesh.rank(self.axis)
+        return [split.take(t, r) for t in tensors]
+
+    def _summed(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over cp, outside the step's traffic (the loop's own loss all-reduce is too)."""
+        ledger = self.mesh.ledger
+        step = ledger.step
+        ledger.set_step(-1)
+        try:
+            out = value.detach().to(self.mesh.device, torch.float64).reshape(1).clone()
+            comm.all_reduce(out, self.mesh, self.axis)
+        finally:
+            ledger.set_step(step)
+        return out[0]
+
+    def forward_backward(self, micro_batches, loss_scale: float, autocast=None):
+        split = split_for(micro_batches[0][0].shape[1], self.cp, self.style)
+        local = [tuple(self._local((x, y), split)) for x, y in micro_batches]
+        with sequence_split(self.mesh, self.axis, self.style, split):
+            total = self.inner.forward_backward(local, loss_scale * self.cp, autocast)
+        return self._summed(torch.as_tensor(total))
+
+    @torch.no_grad()
+    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        split = split_for(x.shape[1], self.cp, self.style)
+        x, y = self._local((x, y), split)
+        with sequence_split(self.mesh, self.axis, self.style, split):
+            total = self.inner.eval_loss_sum(x, y)
+        return self._summed(torch.as_tensor(total))
