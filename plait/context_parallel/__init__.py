@@ -6,13 +6,13 @@
   their gradients) passed round the ring with isend/irecv through plait.comm.
 * `plait.context_parallel.ulysses`: DeepSpeed-Ulysses, all-to-all between the sequence split and
   a head split.
-* `plait.context_parallel.attention`: `attention` and `positions`, what a model calls in place of
+* `plait.context_parallel.interface`: `attention` and `positions`, what a model calls in place of
   scaled dot-product attention and ``arange(T)`` (plait's GPT and Hugging Face blocks do; a
   user's own attention module opts in the same way).
 * `plait.context_parallel.engine`: `ContextParallelEngine`, the cp axis around any engine.
 """
 
-from plait.context_parallel.attention import STYLES, active, attention, positions, sequence_split, split_for
+from plait.context_parallel.interface import STYLES, active, attention, positions, sequence_split, split_for
 from plait.context_parallel.engine import ContextParallelEngine
 from plait.context_parallel.ring import ring_attention
 from plait.context_parallel.sequence import LAYOUTS, SequenceSplit, chunk_bounds, ring_work

@@ -4,7 +4,7 @@ Every micro-batch (training and held-out) arrives whole, as the data-parallel ra
 engine keeps its cp rank's tokens of every sequence (`SequenceSplit.take`: head-tail chunks for
 the ring, contiguous ones for Ulysses) and runs the inner engine (data parallel, ZeRO, a
 pipeline, with tp) on them inside `sequence_split`, where the model's `positions` and
-`attention` see the split (plait.context_parallel.attention). What the loop sees is one data
+`attention` see the split (plait.context_parallel.interface). What the loop sees is one data
 rank per dp coordinate:
 
 * the loss: the inner engine returns the sum of this rank's token losses; it is summed over cp
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from plait import comm
-from plait.context_parallel.attention import sequence_split, split_for
+from plait.context_parallel.interface import sequence_split, split_for
 
 AXIS = "cp"
 

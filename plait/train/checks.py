@@ -301,7 +301,7 @@ def _check_cp_fits(cfg, model, python: bool) -> None:
     require(
         not source.startswith("hf:") or not model.generic,
         f"parallel.cp = {p.cp} needs a model whose attention is plait's (plait's GPT, hf:llama, "
-        f"hf:gpt2, or a python: model that calls plait.context_parallel.attention); model.source = "
+        f"hf:gpt2, or a python: model that calls plait.context_parallel.interface); model.source = "
         f"{source!r} runs transformers' own layers: set parallel.cp = 1",
     )
 

@@ -21,7 +21,7 @@ from plait.errors import ReplicaMismatchError
 from plait.mesh import Mesh
 from plait.placement import placement
 
-AXES = ("dp", "ep", "tp")
+AXES = ("dp", "ep", "cp", "tp")
 
 
 def held_parameters(engine) -> list[tuple[str, torch.Tensor]]:

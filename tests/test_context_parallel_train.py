@@ -1,0 +1,276 @@
+"""Context parallelism in training, against one process: plait's GPT through `plait.apply.parallelize`
+with the sequence split over cp, ring and Ulysses, at cp = 2 with dp, tp + SP, ZeRO-3, a pipeline
+and activation checkpointing, at cp = 4 with sequences that do and do not divide into 2·cp
+chunks. fp32, dropout off; SGD without clipping (a gradient of the wrong scale changes the
+trajectory at once) and AdamW with clipping. Losses and gradient norms per step, the whole first
+step's gradients and the final parameters within 1e-5 of plain torch on one process; the
+ledger's cp bytes per step equal the formulas; a planted bug that skips the cp average of the
+gradients, or attends only to the rank's own tokens, fails by far more than 3x the tolerance.
+End to end, `plait train --parallel.cp 2` (ring and Ulysses) gives the loss curve of
+`--parallel.dp 2`, and its checkpoint resumes under dp 2 and back."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import (
+    SGD,
+    TINY,
+    assert_runs_match,
+    gpt_adamw,
+    gpt_reference,
+    gpt_sgd,
+    resume_job,
+    side_by_side,
+    tiny_gpt,
+    token_batches,
+    train_job,
+)
+
+from plait.apply import parallelize
+from plait.layout import Layout
+from plait.optim import param_groups
+from plait.testing import assert_close_grad_norms, assert_close_losses, assert_close_params, run_ranks
+
+STEPS = 6
+BATCH = 8
+CFG = dict(n_head=4, seq_len=40)  # 4 heads: Ulysses splits them over cp 4, or over tp 2 x cp 2
+TOL = 1e-5
+
+
+def _model():
+    return tiny_gpt(**CFG)
+
+
+def _batches(T):
+    return token_batches(STEPS, BATCH, T, vocab=256)
+
+
+def _first_gradients(T) -> dict:
+    """The first step's gradient of one process (the mean loss over the global batch)."""
+    model = _model()
+    x, y = _batches(T)[0]
+    model(x, y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _unwrapped(name: str) -> str:
+    return name.removeprefix("module.")
+
+
+def _run(mesh, sgd: bool, T: int = 32, grads: bool = False, ledger: bool = False, **kw) -> dict:
+    """`STEPS` steps of the tiny GPT under mesh's layout with `kw` (cp_style, zero_stage, ...):
+    the global loss and gradient norm per step, the final parameters whole; with `grads` the first
+    step's gradients (data parallel: whole on every rank), with `ledger` the cp axis's bytes."""
+    from plait import comm
+
+    layout = Layout(**mesh.sizes, **kw)
+    engine = parallelize(
+        _model(),
+        dataclasses.replace(layout, bucket_mb=0.05),
+        mesh,
+        gpt_sgd if sgd else gpt_adamw,
+        param_groups=lambda mod: param_groups(mod, 0.1),
+    )
+    dp, r = mesh.size("dp"), mesh.rank("dp")
+    rows = BATCH // dp
+    m = layout.pipeline_microbatches if layout.pp > 1 else 1
+    out = {"losses": [], "grad_norms": [], "cp_bytes": []}
+    mesh.ledger.clear()  # the steps of this run only
+    for step, (x, y) in enumerate(_batches(T), start=1):
+        x, y = x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows]
+        mesh.ledger.set_step(step)
+        loss_sum = engine.forward_backward(list(zip(x.chunk(m), y.chunk(m))), 1.0 / (rows * T))
+        if grads and step == 1:
+            out["grads"] = {_unwrapped(n): p.grad.clone() for n, p in engine.module.named_parameters()}
+        out["grad_norms"].append(engine.grad_norm() if sgd else engine.clip_grad_norm_(0.5))
+        engine.step()
+        engine.zero_grad()
+        mesh.ledger.set_step(-1)
+        if ledger:
+            rows_ = mesh.ledger.rows(step)
+            out["cp_bytes"].append(
+                {op: row.bus_bytes for (op, axis), row in rows_.items() if axis == "cp"}
+            )
+        out["losses"].append(comm.all_reduce_scalar(float(loss_sum), mesh, ("pp", "dp")) / (BATCH * T))
+    out["params"] = engine.full_parameters()
+    engine.close()
+    return out
+
+
+def _planted(mesh) -> dict:
+    """Two bugs planted in a cp2 x dp2 SGD run: the gradient averaged over dp only (the cp ranks'
+    parts never summed), and attention over the rank's own tokens only (no ring)."""
+    import plait.context_parallel.interface as cp_attention
+
+    out = {}
+    keep = Layout.data_axes
+    Layout.data_axes = property(lambda self: ("dp",))
+    try:
+        out["no-cp-average"] = _run(mesh, True, grads=True)
+    finally:
+        Layout.data_axes = keep
+    keep_ring = cp_attention.ring_attention
+    cp_attention.ring_attention = lambda q, k, v, mesh, axis, split, scale: cp_attention.sdpa_gqa(
+        q, k, v, scale
+    )
+    try:
+        out["own-tokens-only"] = _run(mesh, True, grads=True)
+    finally:
+        cp_attention.ring_attention = keep_ring
+    return out
+
+
+def _all_4() -> dict:
+    from plait.mesh import Mesh
+
+    out = {}
+    mesh = Mesh(dp=2, cp=2, timeout_s=180)
+    out["cp2-dp2-ring-sgd"] = _run(mesh, True, grads=True, ledger=True)
+    out["cp2-dp2-ulysses-sgd"] = _run(mesh, True, grads=True, ledger=True, cp_style="ulysses")
+    out["cp2-dp2-ring"] = _run(mesh, False)
+    out["cp2-dp2-ring-z3-sgd"] = _run(mesh, True, zero_stage=3)
+    out["cp2-dp2-ulysses-z3"] = _run(mesh, False, zero_stage=3, cp_style="ulysses")
+    out["cp2-dp2-ring-recompute-sgd"] = _run(mesh, True, grads=True, activation_checkpointing=True)
+    out.update(_planted(mesh))
+    mesh.close()
+    mesh = Mesh(cp=4, timeout_s=180)
+    out["cp4-ring-sgd"] = _run(mesh, True, grads=True)
+    out["cp4-ring-uneven-sgd"] = _run(mesh, True, T=35, grads=True)  # 8 chunks of 4 or 5 tokens
+    out["cp4-ulysses-sgd"] = _run(mesh, True, grads=True, cp_style="ulysses")
+    mesh.close()
+    mesh = Mesh(cp=2, tp=2, timeout_s=180)
+    out["cp2-tp2-sp-ring-sgd"] = _run(mesh, True, sequence_parallel=True)
+    out["cp2-tp2-sp-ulysses"] = _run(mesh, False, sequence_parallel=True, cp_style="ulysses")
+    out["cp2-tp2-ring-z3-sgd"] = _run(mesh, True, zero_stage=3)
+    mesh.close()
+    mesh = Mesh(pp=2, cp=2, timeout_s=180)
+    out["cp2-pp2-ring-sgd"] = _run(mesh, True, zero_stage=1, microbatches=2)
+    out["cp2-pp2-ulysses"] = _run(mesh, False, microbatches=2, cp_style="ulysses")
+    mesh.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    per_rank = run_ranks(_all_4, 4, timeout=900)
+    out = per_rank[0]
+    for name, res in out.items():  # a pipeline rank returns its stages' parameters
+        for other in per_rank[1:]:
+            res["params"] = {**other[name]["params"], **res["params"]}
+    out["_per_rank"] = per_rank
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    refs = {}
+    for T in (32, 35):
+        for sgd in (False, True):
+            ref = gpt_reference(_model, gpt_sgd if sgd else gpt_adamw, _batches(T), clip=0.0 if sgd else 0.5)
+            refs[(T, sgd)] = (ref.losses, ref.grad_norms, ref.params)
+        refs[(T, "grads")] = _first_gradients(T)
+    return refs
+
+
+NAMES = [
+    "cp2-dp2-ring-sgd",
+    "cp2-dp2-ulysses-sgd",
+    "cp2-dp2-ring",
+    "cp2-dp2-ring-z3-sgd",
+    "cp2-dp2-ulysses-z3",
+    "cp2-dp2-ring-recompute-sgd",
+    "cp4-ring-sgd",
+    "cp4-ring-uneven-sgd",
+    "cp4-ulysses-sgd",
+    "cp2-tp2-sp-ring-sgd",
+    "cp2-tp2-sp-ulysses",
+    "cp2-tp2-ring-z3-sgd",
+    "cp2-pp2-ring-sgd",
+    "cp2-pp2-ulysses",
+]
+
+
+def _T(name: str) -> int:
+    return 35 if "uneven" in name else 32
+
+
+def _max_grad_error(got: dict, want: dict) -> float:
+    return max((got[n] - want[n]).abs().max().item() for n in want)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_context_parallel_training_follows_one_process(results, reference, name):
+    T, sgd = _T(name), name.endswith("sgd")
+    losses, norms, params = reference[(T, sgd)]
+    res = results[name]
+    assert_close_grad_norms(res["grad_norms"], norms, rtol=TOL, what=name)
+    assert_close_losses(res["losses"], losses, atol=TOL, what=name)
+    want = {k: v for k, v in params.items() if k != "lm_head.weight"}  # GPT's is wte.weight
+    assert_close_params(res["params"], want, atol=TOL, what=name)
+    if "grads" in res:  # every parameter's whole gradient, on every rank
+        ref = reference[(T, "grads")]
+        for rank, per in enumerate(results["_per_rank"]):
+            err = _max_grad_error(per[name]["grads"], ref)
+            assert err < TOL, f"{name}: rank {rank}'s first-step gradient is off by {err:.2e}"
+
+
+def test_ledger_cp_bytes_equal_the_formulas(results):
+    """Per step on the cp axis (cp2 x dp2, B = 4 rows per dp rank, L = 16 tokens per rank, h·d =
+    32, fp32, 2 layers; the gradients travel on dp*cp): the ring sends K and V over cp − 1 hops per
+    layer forward, and K, V and their gradients backward: 3 x 2(cp−1)·B·L·h_kv·d·4 per layer.
+    Ulysses: four all-to-alls per layer forward and four backward, each (cp−1)/cp of B·L·h·d·4."""
+    B, L, hd, layers, cp, b = 4, 16, 32, 2, 2, 4
+    ring = 3 * 2 * (cp - 1) * B * L * hd * b * layers
+    ulysses = 8 * (cp - 1) / cp * B * L * hd * b * layers
+    for rank, per in enumerate(results["_per_rank"]):
+        for step in per["cp2-dp2-ring-sgd"]["cp_bytes"]:
+            assert step == {"send": ring, "recv": ring}, (rank, step, ring)  # each hop: one of each
+        for step in per["cp2-dp2-ulysses-sgd"]["cp_bytes"]:
+            assert step == {"all_to_all": ulysses}, (rank, step, ulysses)
+
+
+@pytest.mark.parametrize("bug", ["no-cp-average", "own-tokens-only"])
+def test_planted_bugs_are_caught_by_far_more_than_the_tolerance(results, reference, bug):
+    ref = reference[(32, "grads")]
+    err = _max_grad_error(results[bug]["grads"], ref)
+    assert err > 3 * TOL, f"{bug}: the first-step gradient is off by only {err:.2e}"
+    losses = reference[(32, True)][0]
+    worst = max(abs(a - b) for a, b in zip(results[bug]["losses"][1:], losses[1:], strict=True))
+    assert worst > 3 * TOL, f"{bug}: the losses are off by only {worst:.2e}"
+
+
+# --- end to end: plait train ----------------------------------------------------------------------
+
+LAYOUTS = {
+    "dp2": ("--parallel.dp", "2"),
+    "cp2-ring": ("--parallel.dp", "1", "--parallel.cp", "2"),
+    "cp2-ulysses": ("--parallel.dp", "1", "--parallel.cp", "2", "--parallel.cp_style", "ulysses"),
+}
+
+
+@pytest.fixture(scope="module")
+def train_runs(tmp_path_factory):
+    """`plait train` under dp 2 (uninterrupted), cp 2 ring (uninterrupted), cp 2 Ulysses cut after
+    step 4 and resumed under dp 2, and dp 2 cut and resumed under cp 2 ring; SGD, no clipping."""
+    base = tmp_path_factory.mktemp("cp")
+    jobs = {}
+    for name in ("dp2", "cp2-ring"):
+        jobs[name] = train_job(base / name, *TINY, *SGD, *LAYOUTS[name], timeout=300)
+    jobs["cp2-ulysses"] = train_job(
+        base / "cp2-ulysses", *TINY, *SGD, *LAYOUTS["cp2-ulysses"], "--train.stop_at", "4", timeout=300
+    )
+    jobs["cut-dp2"] = train_job(base / "cut-dp2", *TINY, *SGD, *LAYOUTS["dp2"], "--train.stop_at", "4")
+    jobs["cp2-ulysses-to-dp2"] = resume_job(jobs["cp2-ulysses"], base / "u2d", *LAYOUTS["dp2"], timeout=300)
+    jobs["dp2-to-cp2-ring"] = resume_job(jobs["cut-dp2"], base / "d2c", *LAYOUTS["cp2-ring"], timeout=300)
+    return side_by_side(jobs)
+
+
+def test_plait_train_under_cp_gives_the_loss_curve_of_dp(train_runs):
+    for name, (_, r) in train_runs.items():
+        assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
+    full = train_runs["dp2"][0]
+    assert_runs_match(train_runs["cp2-ring"][0], full, what="cp2 ring")
+    assert_runs_match(train_runs["cp2-ulysses"][0], full, steps=range(1, 5), what="cp2 ulysses")
+    assert_runs_match(train_runs["cp2-ulysses-to-dp2"][0], full, steps=range(5, 9), what="ulysses -> dp2")
+    assert_runs_match(train_runs["dp2-to-cp2-ring"][0], full, steps=range(5, 9), what="dp2 -> cp2 ring")
