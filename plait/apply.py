@@ -89,7 +89,9 @@ def parallelize(
     if job is not None:
         check(layout, job)
     if layout.sizes != mesh.sizes:
-        raise ConfigError(f"parallelize: the layout is {layout.describe()} but the mesh is {mesh.shape_str()}")
+        raise ConfigError(
+            f"parallelize: the layout is {layout.describe()} but the mesh is {mesh.shape_str()}"
+        )
     model.to(mesh.device)
     if layout.ep > 1:  # each MoE layer keeps this rank's experts; tokens reach them by all-to-all
         apply_ep(model, mesh)

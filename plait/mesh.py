@@ -3,8 +3,9 @@
 Axes run from outermost to innermost (pp, dp, ep, cp, tp): tp changes fastest from one global rank
 to the next, so tensor-parallel peers sit on the closest devices (one node's NVLink), context-
 parallel peers (a sequence split over cp, whose attention passes keys and values every layer)
-next to them, and pipeline stages, which exchange the least, sit furthest apart. A `Mesh` is built on torch's `DeviceMesh`
-and is passed explicitly to every function that communicates; plait keeps no global mesh.
+next to them, and pipeline stages, which exchange the least, sit furthest apart. A `Mesh` is
+built on torch's `DeviceMesh` and is passed explicitly to every function that communicates;
+plait keeps no global mesh.
 
 The mesh also owns what every collective must be recorded in (see `plait.comm`): the ledger of
 bytes moved per step, the flight recorder of the last operations, and the watchdog that turns a

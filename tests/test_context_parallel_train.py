@@ -12,7 +12,6 @@ End to end, `plait train --parallel.cp 2` (ring and Ulysses) gives the loss curv
 import dataclasses
 
 import pytest
-import torch
 from conftest import (
     SGD,
     TINY,
@@ -89,9 +88,7 @@ def _run(mesh, sgd: bool, T: int = 32, grads: bool = False, ledger: bool = False
         mesh.ledger.set_step(-1)
         if ledger:
             rows_ = mesh.ledger.rows(step)
-            out["cp_bytes"].append(
-                {op: row.bus_bytes for (op, axis), row in rows_.items() if axis == "cp"}
-            )
+            out["cp_bytes"].append({op: row.bus_bytes for (op, axis), row in rows_.items() if axis == "cp"})
         out["losses"].append(comm.all_reduce_scalar(float(loss_sum), mesh, ("pp", "dp")) / (BATCH * T))
     out["params"] = engine.full_parameters()
     engine.close()

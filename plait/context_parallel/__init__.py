@@ -12,8 +12,8 @@
 * `plait.context_parallel.engine`: `ContextParallelEngine`, the cp axis around any engine.
 """
 
-from plait.context_parallel.interface import STYLES, active, attention, positions, sequence_split, split_for
 from plait.context_parallel.engine import ContextParallelEngine
+from plait.context_parallel.interface import STYLES, active, attention, positions, sequence_split, split_for
 from plait.context_parallel.ring import ring_attention
 from plait.context_parallel.sequence import LAYOUTS, SequenceSplit, chunk_bounds, ring_work
 from plait.context_parallel.ulysses import check_heads, sdpa_gqa, ulysses_attention

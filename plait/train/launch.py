@@ -201,7 +201,8 @@ def launch(cfg: Config, resume: bool = False, checkpoint: str | Path | None = No
             raise ConfigError(
                 f"the launcher started {actual} ranks but the config needs {world} "
                 f"(pp x dp x ep x cp x tp = {cfg.parallel.pp} x {cfg.parallel.dp} x {cfg.parallel.ep} x "
-                f"{cfg.parallel.cp} x {cfg.parallel.tp}): change parallel.dp or the launcher's --nproc-per-node/--nnodes"
+                f"{cfg.parallel.cp} x {cfg.parallel.tp}): change parallel.dp or the launcher's "
+                "--nproc-per-node/--nnodes"
             )
         restart = _restart_count()
         if os.environ.get("RANK", "0") != "0":  # rank 0 owns the run; the others take its directory
