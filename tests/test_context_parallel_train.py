@@ -12,6 +12,7 @@ End to end, `plait train --parallel.cp 2` (ring and Ulysses) gives the loss curv
 import dataclasses
 
 import pytest
+import torch
 from conftest import (
     SGD,
     TINY,
@@ -27,6 +28,7 @@ from conftest import (
 )
 
 from plait.apply import parallelize
+from plait.errors import ConfigError
 from plait.layout import Layout
 from plait.optim import param_groups
 from plait.testing import assert_close_grad_norms, assert_close_losses, assert_close_params, run_ranks
@@ -57,7 +59,7 @@ def _unwrapped(name: str) -> str:
     return name.removeprefix("module.")
 
 
-def _run(mesh, sgd: bool, T: int = 32, grads: bool = False, ledger: bool = False, **kw) -> dict:
+def _run(mesh, sgd: bool, T: int = 32, grads=False, ledger=False, accum: int = 1, **kw) -> dict:
     """`STEPS` steps of the tiny GPT under mesh's layout with `kw` (cp_style, zero_stage, ...):
     the global loss and gradient norm per step, the final parameters whole; with `grads` the first
     step's gradients (data parallel: whole on every rank), with `ledger` the cp axis's bytes."""
@@ -73,7 +75,7 @@ def _run(mesh, sgd: bool, T: int = 32, grads: bool = False, ledger: bool = False
     )
     dp, r = mesh.size("dp"), mesh.rank("dp")
     rows = BATCH // dp
-    m = layout.pipeline_microbatches if layout.pp > 1 else 1
+    m = layout.pipeline_microbatches if layout.pp > 1 else accum
     out = {"losses": [], "grad_norms": [], "cp_bytes": []}
     mesh.ledger.clear()  # the steps of this run only
     for step, (x, y) in enumerate(_batches(T), start=1):
@@ -118,6 +120,31 @@ def _planted(mesh) -> dict:
     return out
 
 
+class _OwnAttention(torch.nn.Module):
+    """A model attending with torch's own attention: under cp it would see its own tokens only."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(256, 8), torch.nn.Linear(8, 256)
+
+    def forward(self, x, y, reduction="sum"):
+        h = self.emb(x).unsqueeze(1)
+        h = torch.nn.functional.scaled_dot_product_attention(h, h, h, is_causal=True).squeeze(1)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten(), reduction=reduction)
+
+
+def _refused(mesh) -> str:
+    engine = parallelize(_OwnAttention(), Layout(**mesh.sizes), mesh, gpt_sgd)
+    x, y = _batches(32)[0]
+    try:
+        engine.forward_backward([(x[:4], y[:4])], 1.0 / 128)
+    except ConfigError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+    return "accepted"
+
+
 def _all_4() -> dict:
     from plait.mesh import Mesh
 
@@ -129,7 +156,9 @@ def _all_4() -> dict:
     out["cp2-dp2-ring-z3-sgd"] = _run(mesh, True, zero_stage=3)
     out["cp2-dp2-ulysses-z3"] = _run(mesh, False, zero_stage=3, cp_style="ulysses")
     out["cp2-dp2-ring-recompute-sgd"] = _run(mesh, True, grads=True, activation_checkpointing=True)
+    out["cp2-dp2-ring-accum-sgd"] = _run(mesh, True, grads=True, accum=2)  # gradient accumulation
     out.update(_planted(mesh))
+    out["refused"] = _refused(mesh)
     mesh.close()
     mesh = Mesh(cp=4, timeout_s=180)
     out["cp4-ring-sgd"] = _run(mesh, True, grads=True)
@@ -153,6 +182,8 @@ def results() -> dict:
     per_rank = run_ranks(_all_4, 4, timeout=900)
     out = per_rank[0]
     for name, res in out.items():  # a pipeline rank returns its stages' parameters
+        if name == "refused":
+            continue
         for other in per_rank[1:]:
             res["params"] = {**other[name]["params"], **res["params"]}
     out["_per_rank"] = per_rank
@@ -177,6 +208,7 @@ NAMES = [
     "cp2-dp2-ring-z3-sgd",
     "cp2-dp2-ulysses-z3",
     "cp2-dp2-ring-recompute-sgd",
+    "cp2-dp2-ring-accum-sgd",
     "cp4-ring-sgd",
     "cp4-ring-uneven-sgd",
     "cp4-ulysses-sgd",
@@ -235,6 +267,12 @@ def test_planted_bugs_are_caught_by_far_more_than_the_tolerance(results, referen
     losses = reference[(32, True)][0]
     worst = max(abs(a - b) for a, b in zip(results[bug]["losses"][1:], losses[1:], strict=True))
     assert worst > 3 * TOL, f"{bug}: the losses are off by only {worst:.2e}"
+
+
+def test_a_model_that_attends_by_itself_is_refused_after_its_first_step(results):
+    for per in results["_per_rank"]:
+        assert "never called plait.context_parallel.attention" in per["refused"], per["refused"]
+        assert "parallel.cp = 1" in per["refused"]
 
 
 # --- end to end: plait train ----------------------------------------------------------------------

@@ -55,7 +55,7 @@ def _source_rows() -> list[Rule]:
 def _ps_rows() -> list[Rule]:
     """The parameter server stands apart from the mesh: it takes none of its techniques."""
     rows = []
-    for feature in ("tp", "pp", "ep", "zero", "hybrid", "compression", "offload", "moe", "tokenizer"):
+    for feature in ("tp", "pp", "ep", "cp", "zero", "hybrid", "compression", "offload", "moe", "tokenizer"):
         key, name, off, on = SWITCHES[feature]
         what = f"ps.servers = {{servers}} with {key} = {{{name}!r}} is not available"
         why = "parameter-server workers each hold the whole model and push whole gradients"
@@ -63,6 +63,45 @@ def _ps_rows() -> list[Rule]:
         fix = f"set {key} = {off!r}, or ps.servers = 0"
         rows.append(_no(f"ps-{feature}", {"ps", feature}, what, why, fix, ("ps.servers", key), example))
     return rows
+
+
+def _cp_rows() -> list[Rule]:
+    """What context parallelism (a sequence split over cp) does not take, and why."""
+    cp = ("parallel.cp", "2")
+    return [
+        _no("cp-moe", {"cp", "moe"},
+            "parallel.cp = {cp} with model.experts = {experts} is not available",
+            "a mixture-of-experts layer's capacity and load-balancing loss are computed over the "
+            "tokens a rank holds, which under cp are part of each sequence: not one process's function",
+            "set parallel.cp = 1, or model.experts = 0", ("parallel.cp", "model.experts"),
+            (cp, ("model.experts", "4"))),
+        _no("cp-ring-dropout", {"cp-ring", "dropout"},
+            "parallel.cp_style = 'ring' with model.dropout = {dropout!r} is not available",
+            "ring attention merges blocks of exact probabilities and has no attention dropout",
+            "set model.dropout = 0, or parallel.cp_style = 'ulysses' (whole-sequence attention per "
+            "head, with its dropout)", ("parallel.cp_style", "model.dropout"),
+            (cp, ("model.dropout", "0.1"))),
+        _no("cp-hybrid", {"cp", "hybrid"},
+            "parallel.cp = {cp} with parallel.hybrid_shard = {hybrid_shard} is not available",
+            "hybrid sharding's shard and replicate groups are built over dp alone, while under cp the "
+            "gradients are reduced over dp x cp", "set parallel.hybrid_shard = 0 (ZeRO then shards "
+            "over dp x cp), or parallel.cp = 1", ("parallel.cp", "parallel.hybrid_shard"),
+            (cp, ("parallel.zero_stage", "1"), ("parallel.hybrid_shard", "2"))),
+        _no("cp-controller", {"cp", "controller"},
+            "parallel.cp = {cp} with runtime.kind = 'controller' is not available",
+            "the single controller's actors and peer recovery know the model coordinates pp, ep and tp, "
+            "not cp", "use runtime.kind = 'spmd', or parallel.cp = 1", ("parallel.cp", "runtime.kind"),
+            (cp, ("runtime.kind", "controller"))),
+        _no("cp-diloco", {"cp", "diloco"},
+            "parallel.cp = {cp} with diloco.inner_steps = {inner_steps} is not available",
+            "DiLoCo's replica groups are cut from dp by its launcher, which does not lay out a cp axis "
+            "inside a group yet", "set diloco.inner_steps = 0, or parallel.cp = 1",
+            ("parallel.cp", "diloco.inner_steps"), (cp, ("diloco.inner_steps", "4"))),
+        _no("cp-api", {"cp", "api"}, "plait.parallelize on a mesh with cp = {cp} is not available",
+            "the custom loop's batch and its mean loss are the user's: plait cannot tell which "
+            "dimension is the sequence, nor weigh each rank's mean by its tokens",
+            "use `plait train` (parallel.cp), or a mesh with cp = 1", ("cp",), (("cp", 2),), api=True),
+    ]  # fmt: skip
 
 
 MOE = (("model.experts", "4"), ("parallel.ep", "2"))
@@ -233,6 +272,7 @@ REFUSED = [
         ("parallel.pp", "parallel.zero_stage", "offload.delayed_update"),
         (("parallel.pp", "2"), ("parallel.zero_stage", "3"), ("offload.optimizer", "cpu"),
          ("offload.delayed_update", "true"))),
+    *_cp_rows(),
     _no("bf16-zero0", {"bf16"}, "mixed_precision = 'bf16' needs zero_stage >= 1",
         "stage 0 (plain data parallelism) keeps no fp32 master copy to step",
         "use zero_stage >= 1 or mixed_precision = None", ("mixed_precision", "zero_stage"),
@@ -295,6 +335,14 @@ SUPPORTED += [
          ("diloco.inner_steps", "diloco.replicas"), "`plait train` only ([diloco.md](diloco.md))",
          "tests/test_diloco.py::test_groups_with_layouts_inside_follow_the_reference",
          any_={"zero", "tp", "pp"}),
+]  # fmt: skip
+SUPPORTED += [
+    _yes("cp-layouts", {"cp"},
+         "context parallelism, ring or Ulysses, with dp, ZeRO-1/2/3, tp + SP, pp, activation "
+         "checkpointing and gradient accumulation ([context-parallel.md](context-parallel.md))",
+         ("parallel.cp", "parallel.cp_style"), "`plait train` only",
+         "tests/test_context_parallel_train.py::test_context_parallel_training_follows_one_process",
+         any_={"dp", "zero", "tp", "pp", "recompute", "grad-accum"}),
 ]  # fmt: skip
 COMBINATIONS: tuple[Rule, ...] = (*REFUSED, *SUPPORTED)  # the refused rows in check order, then the supported
 assert len({r.id for r in COMBINATIONS}) == len(COMBINATIONS), "row ids name one row each"

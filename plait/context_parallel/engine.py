@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from plait import comm
-from plait.context_parallel.interface import sequence_split, split_for
+from plait.context_parallel.interface import calls, sequence_split, split_for
+from plait.errors import ConfigError
 
 AXIS = "cp"
 
@@ -34,6 +35,7 @@ class ContextParallelEngine:
     def __init__(self, inner, mesh, style: str, axis: str = AXIS):
         self.inner, self.mesh, self.style, self.axis = inner, mesh, style, axis
         self.cp = mesh.size(axis)
+        self._checked = False
 
     def __getattr__(self, name: str):
         if name == "inner":  # not yet set (copy, unpickling): no recursion
@@ -59,9 +61,26 @@ class ContextParallelEngine:
     def forward_backward(self, micro_batches, loss_scale: float, autocast=None):
         split = split_for(micro_batches[0][0].shape[1], self.cp, self.style)
         local = [tuple(self._local((x, y), split)) for x, y in micro_batches]
+        before = calls()
         with sequence_split(self.mesh, self.axis, self.style, split):
             total = self.inner.forward_backward(local, loss_scale * self.cp, autocast)
+        self._check_attends(calls() - before)
         return self._summed(torch.as_tensor(total))
+
+    def _check_attends(self, n: int) -> None:
+        """After the first step: the model attended through plait's `attention` (a model that
+        calls torch's attention itself would attend within its own part of each sequence only,
+        silently another function)."""
+        if self._checked:
+            return
+        self._checked = True
+        if n == 0:
+            raise ConfigError(
+                "parallel.cp: the model's attention never called plait.context_parallel.attention, so "
+                "each rank would attend within its own part of every sequence only; call "
+                "plait.context_parallel.attention (and positions) in the model "
+                "(docs/context-parallel.md, 'Your own attention'), or set parallel.cp = 1"
+            )
 
     @torch.no_grad()
     def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
