@@ -309,3 +309,40 @@ def test_plait_train_under_cp_gives_the_loss_curve_of_dp(train_runs):
     assert_runs_match(train_runs["cp2-ulysses"][0], full, steps=range(1, 5), what="cp2 ulysses")
     assert_runs_match(train_runs["cp2-ulysses-to-dp2"][0], full, steps=range(5, 9), what="ulysses -> dp2")
     assert_runs_match(train_runs["dp2-to-cp2-ring"][0], full, steps=range(5, 9), what="dp2 -> cp2 ring")
+
+
+# --- refused before any process starts ------------------------------------------------------------
+
+BAD = {
+    "too short for 2 cp chunks": (
+        (("model.seq_len", "6"), ("parallel.cp", "4")),
+        "a sequence of 6 tokens cannot be split into the 8 chunks that parallel.cp = 4 needs",
+    ),
+    "ulysses: heads by cp": (
+        (("parallel.cp", "8"), ("parallel.cp_style", "ulysses")),
+        "model.n_head = 4 does not divide by it",
+    ),
+    "ulysses: sequence by cp": (
+        (("model.seq_len", "126"), ("parallel.cp", "4"), ("parallel.cp_style", "ulysses")),
+        "needs sequences that divide by parallel.cp = 4, got 126 tokens",
+    ),
+    "sp: a rank's part by tp": (
+        (("model.seq_len", "126"), ("parallel.cp", "2"), ("parallel.tp", "2"))
+        + (("parallel.sequence_parallel", "true"),),
+        "gives each rank 63 tokens, which do not split over parallel.tp = 2",
+    ),
+    "style": (
+        (("parallel.cp", "2"), ("parallel.cp_style", "rings")),
+        "parallel.cp_style = 'rings' is not valid",
+    ),
+    "degree": ((("parallel.cp", "0"),), "parallel.cp must be >= 1, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_cp_configs_are_refused_naming_the_key(case):
+    from plait.train.config import read_config, validate
+
+    keys, message = BAD[case]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(read_config(None, (("model.name", "small"), ("parallel.dp", "1"), *keys)), data=False)

@@ -2,7 +2,8 @@
 "hf:gpt_neox" (per-head fused qkv), "hf:mistral", "hf:qwen2") through plait's one parallelize
 path (`plait.train.build.build_engine`, as `plait train` builds it) against the same model in one
 process: dp2, tp2 (with sequence parallelism on plait's own blocks), ZeRO-3 over dp2, a 2-stage
-pipeline, and for gpt2 / llama dp2 x tp2 (4 ranks); grouped-query attention (n_kv_head < n_head).
+pipeline, and for gpt2 / llama dp2 x tp2 (4 ranks) and context parallelism (cp 2, ring and
+Ulysses); grouped-query attention (n_kv_head < n_head).
 Per step the loss and the gradient norm before clipping, then the final parameters, within 1e-5 in
 fp32. AdamW with clipping, and SGD without clipping (a gradient of the wrong scale moves the
 parameters at once). Then the exported directory loads with transformers' `from_pretrained` and
@@ -54,6 +55,9 @@ LAYOUTS = {
     "dp2xtp2": (4, dict(dp=2, tp=2, sequence_parallel=True, zero_stage=1), False),
     "dp2xtp2-zero3-recompute": (4, dict(dp=2, tp=2, sequence_parallel=True, zero_stage=3), True),
     "pp2xtp2": (4, dict(pp=2, tp=2, sequence_parallel=True, microbatches=2), False),
+    # context parallelism: the rotary angles of each rank's own positions, grouped-query K/V
+    "cp2": (2, dict(cp=2), True),
+    "cp2-ulysses": (2, dict(cp=2, cp_style="ulysses"), False),
 }
 RECOMPUTE = ("dp2xtp2-zero3-recompute",)  # with train.activation_checkpointing
 # which layouts each architecture is trained under (the generic path has no sequence parallelism;
@@ -133,7 +137,7 @@ def _train(cfg):
     build.make_optimizer = functools.partial(build_optimizer, eps=EPS)  # this rank process only
 
     p = cfg.parallel
-    mesh = Mesh(pp=p.pp, dp=p.dp, tp=p.tp, timeout_s=120)
+    mesh = Mesh(pp=p.pp, dp=p.dp, tp=p.tp, cp=p.cp, timeout_s=120)
     with tempfile.TemporaryDirectory() as run_dir:
         engine = build_engine(_build(cfg), cfg, mesh, Path(run_dir))
         rows, r, m = BATCH // p.dp, mesh.rank("dp"), micro_batches_per_step(cfg)
@@ -388,6 +392,14 @@ BAD = {
     "dropout": (dict(model__dropout=0.1), "model.dropout = 0.1 does not apply"),
     "kv heads on gpt2": (dict(model__source="hf:gpt2", model__n_kv_head=2), "does not apply to hf:gpt2"),
     "kv heads on plait": (dict(model__source="plait", model__n_kv_head=2), "applies to hf sources only"),
+    "cp on the generic path": (
+        dict(model__source="hf:qwen2", parallel__cp=2, parallel__dp=1),
+        "parallel.cp = 2 needs a model whose attention is plait's",
+    ),
+    "ulysses kv heads by cp": (
+        dict(model__n_kv_head=1, parallel__cp=2, parallel__dp=1, parallel__cp_style="ulysses"),
+        "model.n_kv_head = 1 does not divide by it",
+    ),
 }
 
 
