@@ -120,7 +120,7 @@ def test_json_schema_and_plans_pass_config_validation(capsys):
     seen_infeasible = False
     for r in plans:
         assert all(k in r for k in required)
-        assert r["dp"] * r["tp"] * r["pp"] * r["ep"] == 8
+        assert r["dp"] * r["tp"] * r["pp"] * r["ep"] * r["cp"] == 8
         seen_infeasible |= not r["feasible"]
         if seen_infeasible:
             assert not r["feasible"] and r["reason"]  # infeasible ones come after

@@ -274,6 +274,31 @@ def test_tensor_parallel_moves_8bsh_per_layer(t_):
         assert t["params_per_device"] == psi
 
 
+@pytest.mark.parametrize("c", [2, 4])
+def test_context_parallel_ring_moves_kv_per_layer(c):
+    """Ring attention over cp = c (Liu et al. 2023): a rank holds bs/c tokens of the micro-batch and
+    per layer sends K and V of them, 2·b(s/c)h 16-bit elements, c − 1 times forward and twice that
+    backward (K, V and their gradients; once more when recomputation replays the forward), each hop
+    one α. Its compute, activations and logits are those of bs/c tokens (the attention term of a
+    token's FLOPs keeps the whole s); its gradients are all-reduced over the c ranks."""
+    alpha, beta, b, m, L, V = 10e-6, 1e9, 2, 2, 4, 96
+    tokens = b * S // c
+    for rc in (False, True):
+        lay = Candidate(cp=c, recompute=rc, microbatch_size=b, microbatches=m)
+        out, t = plan_of(lay, cluster(alpha, beta))
+        hop_bytes = 2 * tokens * H * 2  # K and V, bf16
+        hops = (c - 1) * L * (4 if rc else 3)
+        assert t["cp_send_bytes"] == m * hops * hop_bytes, rc
+        assert t["tp_ep_s"] == pytest.approx(m * hops * (alpha + hop_bytes / beta), rel=EXACT), rc
+        f, bw, w = passes(tokens, L)
+        hf, hb = logits(tokens, V)
+        assert t["compute_s"] == pytest.approx(m * (f + bw + w + hf + hb + (f if rc else 0)), rel=EXACT)
+        rows = korthikanti(tokens, L, rc=rc) + (korthikanti(tokens, 1) if rc else 0)
+        assert t["activation_bytes"] == rows + tokens * V * 4, rc
+        psi = params_whole(V, L)
+        assert t["dp_grad_s"] == pytest.approx(ring("all_reduce", psi * 2, c, alpha, beta), rel=EXACT)
+
+
 def pipeline_want(kind, p, m, v, T, head, c=0.0, f=0.0, b=0.0, w=0.0) -> float:
     """The step's body of a pipeline of p ranks (T = F + B + W of a rank's blocks, `head` the logits'
     F + B on the last stage, c a point-to-point message): m (T + head) on the last stage, plus the
@@ -408,7 +433,8 @@ def test_plait_plan_json_prints_the_hand_worked_terms(tmp_path, capsys):
     code = main(["plan", *args])
     assert code == 0
     plans = {r["layout"]: r for r in json.loads(capsys.readouterr().out)["plans"]}
-    assert all(set(r["terms"]) == TERMS for r in plans.values()), "a new term needs its test here"
+    for r in plans.values():  # (a cp layout's ring bytes: test_context_parallel_ring_moves_kv_per_layer)
+        assert set(r["terms"]) == TERMS | ({"cp_send_bytes"} if r["cp"] > 1 else set()), "a new term's test?"
     alpha, beta, psi = alpha_us * 1e-6, beta_gbps * 1e9, params_whole(V, L)
     rs, ag = ring("reduce_scatter", psi * 2, 2, alpha, beta), ring("all_gather", psi * 2, 2, alpha, beta)
     f, bw, w = passes(2 * S, L)

@@ -198,7 +198,8 @@ def test_the_command_on_a_factory_and_a_llama(tmp_path, monkeypatch):
     jobs = {
         "python": lambda: _verify(tmp_path, "python", src, "python:verify_factories:make_gpt", "--layouts",
                                   "dp=2+zero_stage=2,dp=2+tp=2+sequence_parallel=true", env=env),
-        "llama": lambda: _verify(tmp_path, "llama", *llama, "--layouts", "dp=2+zero_stage=3,tp=2+dp=2"),
+        "llama": lambda: _verify(tmp_path, "llama", *llama, "--layouts",
+                                 "dp=2+zero_stage=3,cp=2+tp=2+sequence_parallel=true"),
         "wrong": lambda: _verify(tmp_path, "wrong", src, "python:verify_factories:make_gpt_unmarked_norm",
                                  "--layouts", "tp=2+sequence_parallel=true", env=env),
         "fused": lambda: _verify(tmp_path, "fused", src, "python:verify_factories:make_gpt_wrong_fused",
@@ -217,6 +218,8 @@ def test_the_command_on_a_factory_and_a_llama(tmp_path, monkeypatch):
         assert "[3/3]" in proc.stderr  # progress: the reference and each layout
         measured = {r["what"]: r for lay in report["layouts"] for r in lay["measured"]["rows"]}
         assert measured["bus bytes on dp per step"]["ratio"] == pytest.approx(1.0, abs=0.01)
+        if name == "llama":  # ring attention's K/V hops (grouped-query: 2 of 4 heads) under tp + SP
+            assert measured["bus bytes on cp per step"]["ratio"] == pytest.approx(1.0, abs=1e-9)
     out, proc = done["wrong"]
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "tp=2+sequence_parallel=true: differs at blocks.1.ln_2." in proc.stdout

@@ -157,3 +157,18 @@ def test_cli_errors_are_one_line(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("plait: config error: ") and "\n" not in err and word in err, err
+
+
+def test_context_parallelism_splits_the_activations_and_zero_shards_over_dp_x_cp(capsys):
+    """cp = 4: a device holds ceil(s/4) tokens of each sequence, so the activations are Korthikanti's
+    at s/4 (sbh(34 + 5as/h) per layer in 16-bit, worked here by hand); ZeRO-3 shards over dp x cp."""
+    cfg = gpt_config("small")  # h 128, a 4, s 128, 4 layers
+    out = estimate_memory(model=cfg, dp=2, zero_stage=3, batch=2, cp=4)
+    s, b, h, a, L = 128 // 4, 2, 128, 4, 4
+    assert out["seq_per_device"] == s and out["activation_bytes"] == L * s * b * h * (34 + 5 * a * s / h)
+    psi = cfg.n_params()
+    assert out["model_state_bytes"]["params"] == math.ceil(psi / 8) * 2  # bf16, over 2 x 4 ranks
+    assert main(["estimate", "--model", "small", "--dp", "2", "--cp", "4", "--batch", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["activation_bytes"] == out["activation_bytes"]
+    with pytest.raises(ConfigError, match="hybrid sharding .* with context parallelism"):
+        estimate_memory(params=10**6, dp=4, shard=2, cp=2)

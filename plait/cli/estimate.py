@@ -58,6 +58,12 @@ def _parser() -> Parser:
         "--seq", type=int_in(1, MAX_RANKS), help="sequence length (default: the model's seq_len)"
     )
     parser.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    parser.add_argument(
+        "--cp",
+        type=int_in(1, MAX_RANKS),
+        default=1,
+        help="context-parallel degree: each device holds 1/cp of every sequence (default 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser
 
@@ -78,6 +84,7 @@ def main(argv: list[str]) -> int:
         batch=args.batch,
         seq=args.seq,
         recompute=args.recompute,
+        cp=args.cp,
     )
     print(json.dumps(result) if args.json else format_estimate(result))
     return 0

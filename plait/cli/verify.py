@@ -31,8 +31,9 @@ def _parser() -> Parser:
     parser.add_argument(
         "--layouts",
         help="comma-separated layouts, each key=value pairs joined by +, with the keys of [parallel] "
-        "(dp, tp, pp, ep, zero_stage, hybrid_shard, sequence_parallel, schedule, microbatches, "
-        "virtual_stages, bucket_mb) and micro_batches, e.g. dp=2+zero_stage=3,tp=2+sequence_parallel=true",
+        "(dp, tp, pp, ep, cp, cp_style, zero_stage, hybrid_shard, sequence_parallel, schedule, "
+        "microbatches, virtual_stages, bucket_mb) and micro_batches, e.g. "
+        "dp=2+zero_stage=3,tp=2+sequence_parallel=true,cp=2+cp_style=ulysses",
     )
     parser.add_argument(
         "--top", type=int_in(1, 32), default=0, help="verify the planner's N fastest layouts (default 3)"

@@ -123,8 +123,11 @@ def verify_config(req: Request) -> Report:
 def _keys(cfg: Config) -> dict:
     p = cfg.parallel
     keys = {
-        k: getattr(p, k) for k in ("pp", "dp", "ep", "tp", "zero_stage", "hybrid_shard", "sequence_parallel")
+        k: getattr(p, k)
+        for k in ("pp", "dp", "ep", "cp", "tp", "zero_stage", "hybrid_shard", "sequence_parallel")
     }
+    if p.cp > 1:
+        keys["cp_style"] = p.cp_style
     if p.pp > 1:
         keys.update(schedule=p.schedule, microbatches=p.microbatches, virtual_stages=p.virtual_stages)
     keys["micro_batches"] = cfg.train.micro_batches

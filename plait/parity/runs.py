@@ -36,6 +36,8 @@ LAYOUT_KEYS = (
     "tp",
     "pp",
     "ep",
+    "cp",
+    "cp_style",
     "zero_stage",
     "hybrid_shard",
     "sequence_parallel",
@@ -128,7 +130,7 @@ def parse_layout(text: str, base: Config) -> tuple[str, Config]:
             raise ConfigError(f"--layouts {text!r}: {exc}") from None
     if ref.world_size < 2:
         raise ConfigError(
-            f"--layouts {text!r} runs on one process, which is the reference: give dp, tp, pp or ep > 1"
+            f"--layouts {text!r} runs on one process, which is the reference: give dp, tp, pp, ep or cp > 1"
         )
     try:
         validate(ref)

@@ -33,6 +33,7 @@ LAYOUT_KEYS = {  # config key: the Candidate field it sets
     "parallel.tp": "tp",
     "parallel.pp": "pp",
     "parallel.ep": "ep",
+    "parallel.cp": "cp",
     "parallel.zero_stage": "zero_stage",
     "parallel.hybrid_shard": "hybrid_shard",
     "parallel.sequence_parallel": "sequence_parallel",

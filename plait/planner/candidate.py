@@ -18,6 +18,8 @@ class Candidate:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
+    """Context parallelism: every sequence split over cp ranks (the planner prices ring attention)."""
     zero_stage: int = 0
     hybrid_shard: int = 0
     sequence_parallel: bool = False
@@ -42,7 +44,7 @@ class Candidate:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp * self.ep
+        return self.dp * self.tp * self.pp * self.ep * self.cp
 
     @property
     def diloco(self) -> bool:
@@ -57,6 +59,8 @@ class Candidate:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         parts.append(f"z{self.zero_stage}")
         if self.hybrid_shard:
             parts.append(f"hs{self.hybrid_shard}")
@@ -86,7 +90,7 @@ class Candidate:
         """The `plait.layout.Layout` this candidate runs (what the combination table reads)."""
         pp = self.pp > 1
         return plait_layout.Layout(
-            pp=self.pp, dp=self.dp, ep=self.ep, tp=self.tp, dp_shard=self.hybrid_shard,
+            pp=self.pp, dp=self.dp, ep=self.ep, cp=self.cp, tp=self.tp, dp_shard=self.hybrid_shard,
             zero_stage=self.zero_stage, sequence_parallel=self.sequence_parallel,
             schedule=self.schedule if pp else "1f1b", microbatches=self.microbatches if pp else 0,
             virtual_stages=self.virtual_stages if pp else 0, activation_checkpointing=self.recompute,

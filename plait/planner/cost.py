@@ -9,6 +9,9 @@ Every term reuses the piece of plait that already states it (docs/planner.md has
   share); per layer and micro-batch the forward is one pass, and the backward
   splits as Zero Bubble's B and W (Qi et al. 2023: F ∝ 24h + 4s, B ∝ 24h + 8s, W ∝ 24h);
   full recomputation adds one forward to B;
+* context parallelism — each rank holds 1/cp of every sequence: its compute, activations,
+  logits and tp traffic are those of seq_len / cp tokens, and ring attention's K/V hops (cp − 1
+  per block forward, twice that backward) run on the cp axis's link;
 * communication — the ring bus bytes of `plait.comm.ledger.bus_bytes` (the same formulas the
   ledger is checked against) on the link the axis lives on (`plait.planner.cluster`), α per
   ring step: tp's Megatron all-reduces (2 forward, 2 backward per layer; SP's reduce-scatter +
@@ -47,6 +50,7 @@ from plait.planner.cost_terms import (
     Pipeline,
     Setting,
     compute_term,
+    cp_bytes_per_block,
     data_parallel_term,
     memory_term,
     optimizer_step_term,
@@ -221,6 +225,9 @@ def _result(
             "activation_bytes": mem.act,
         },
     }
+    if lo.cp > 1:  # the ring's bytes a rank sends per step (the ledger's sends on cp)
+        f, b = cp_bytes_per_block(st)
+        out["terms"]["cp_send_bytes"] = m * st.k * (f + b)
     if lo.diloco:  # a plain layout's terms are the hand-worked ones (tests/test_planner_terms.py)
         out["terms"] |= {
             "dp_bus_bytes": dp.bus,

@@ -65,14 +65,14 @@ class Setting:
     k: int
     """Blocks per pipeline rank."""
     tokens: int
-    """Tokens of one micro-batch."""
+    """Tokens of one micro-batch on a rank (its 1/cp of each sequence under context parallelism)."""
     act: int
     """Bytes of one micro-batch's activations (tokens x d_model) on the tp and pp links."""
 
     @classmethod
     def of(cls, cfg: GPTConfig, lo: Candidate, cluster: Cluster, precision: str) -> Setting:
-        tokens = lo.microbatch_size * cfg.seq_len
-        sizes = {"tp": lo.tp, "ep": lo.ep, "dp": lo.dp, "pp": lo.pp}
+        tokens = lo.microbatch_size * -(-cfg.seq_len // lo.cp)
+        sizes = {"tp": lo.tp, "cp": lo.cp, "ep": lo.ep, "dp": lo.dp, "pp": lo.pp}
         links = axis_links(cluster, sizes)
         links["replica"] = links["dp"]
         if lo.diloco:  # DiLoCo's replica axis is dp's outer factor: a group is dp/M consecutive dp ranks
@@ -97,9 +97,9 @@ class Setting:
 
     @property
     def n_data(self) -> int:
-        """The data axes (dense parameters are replicated over dp x ep); under DiLoCo a replica
-        group's (its dp / M), which is all an inner step reduces over."""
-        return self.lo.group_dp * self.lo.ep
+        """The data axes (dense parameters are replicated over dp x ep x cp); under DiLoCo a
+        replica group's (its dp / M), which is all an inner step reduces over."""
+        return self.lo.group_dp * self.lo.ep * self.lo.cp
 
     @property
     def shard(self) -> int:
@@ -108,7 +108,9 @@ class Setting:
 
     @property
     def data_link(self) -> Link:
-        return self.links["dp"] if self.lo.group_dp > 1 else self.links["ep"]
+        """The outermost data axis's link (the slowest a gradient reduction crosses)."""
+        lo = self.lo
+        return self.links["dp"] if lo.group_dp > 1 else self.links["ep"] if lo.ep > 1 else self.links["cp"]
 
     @property
     def shard_link(self) -> Link:
@@ -189,7 +191,36 @@ def tp_ep_term(st: Setting) -> LayerComm:
     moe_k = cfg.n_moe_layers * k / cfg.n_layer
     ep_a2a = st.ring(st.links["ep"], "all_to_all", st.act * max(cfg.top_k, 1), lo.ep) if cfg.experts else 0.0
     ep_f, ep_b = 2 * moe_k * ep_a2a, 2 * moe_k * ep_a2a
-    return LayerComm(f=tp_f + ep_f + edge_f, b=tp_b + ep_b + edge_b, edge_f=edge_f, edge_b=edge_b)
+    cp_f, cp_b = cp_term(st)
+    return LayerComm(
+        f=tp_f + ep_f + cp_f + edge_f, b=tp_b + ep_b + cp_b + edge_b, edge_f=edge_f, edge_b=edge_b
+    )
+
+
+def cp_bytes_per_block(st: Setting) -> tuple[float, float]:
+    """Bytes a rank sends per block and micro-batch for context parallelism's ring attention,
+    forward and backward (plait.context_parallel.ring): K and V of its heads (d_model / tp wide,
+    plait's GPT has as many key/value heads as query heads) over cp − 1 hops forward, and again
+    beside their gradients backward; a recomputed forward sends K and V once more."""
+    lo = st.lo
+    if lo.cp == 1:
+        return 0.0, 0.0
+    hop = 2 * st.act / lo.tp  # K and V
+    f = (lo.cp - 1) * hop
+    return f, 2 * f + (f if lo.recompute else 0.0)
+
+
+def cp_term(st: Setting) -> tuple[float, float]:
+    """With terms 2 and 3, context parallelism's ring: cp − 1 point-to-point hops per block forward (K, V)
+    and backward (K, V and their gradients), α each, on the cp axis's link; counted exposed (an
+    upper bound: plait posts each hop before the block it overlaps)."""
+    lo = st.lo
+    if lo.cp == 1:
+        return 0.0, 0.0
+    link, hop = st.links["cp"], 2 * st.act / lo.tp
+    one = st.ring(link, "send", hop, 2)  # α + one hop's bytes over β
+    f = st.k * (lo.cp - 1) * one
+    return f, st.k * (lo.cp - 1) * one * (3 if lo.recompute else 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,16 +395,18 @@ def memory_term(st: Setting, psi: int, p_bytes: int, g_bytes: int, k_opt: int, i
     state_bytes = states["total"] - (states["optimizer"] if lo.offload == "cpu" else 0)
     shape = {"tp": lo.tp, "sequence_parallel": lo.sequence_parallel, "stored_scores": False}
     precision = st.precision if st.precision != "fp16" else "bf16"
+    seq = st.tokens // lo.microbatch_size  # a rank's 1/cp of each sequence
     act_mb = activation_bytes(
         dataclasses.replace(cfg, n_layer=st.k),
         lo.microbatch_size,
+        seq,
         precision=precision,
         recompute=lo.recompute,
         **shape,
     )
     working = 0
     if lo.recompute:  # one block's full activations while it is recomputed
-        working = activation_bytes(dataclasses.replace(cfg, n_layer=1), lo.microbatch_size, **shape)
+        working = activation_bytes(dataclasses.replace(cfg, n_layer=1), lo.microbatch_size, seq, **shape)
     logits = st.tokens * cfg.vocab_size * 4 // lo.tp
     usable = cluster.memory_gb * cluster.usable_memory * GB
     if cluster.cores:  # a CPU node's memory is shared by its ranks

@@ -84,34 +84,53 @@ def _candidates(cfg: GPTConfig, global_batch: int, devices: int, cluster: Cluste
     for tp in _pow2_upto(min(cluster.gpus_per_node, devices)):
         if devices % tp or cfg.n_head % tp or cfg.ff_dim % tp:
             continue
-        sp = tp > 1 and cfg.seq_len % tp == 0
-        eps = [e for e in _divisors(cfg.experts) if (devices // tp) % e == 0] if cfg.experts else [1]
-        for ep in eps:
-            for pp in _divisors(L):
-                if (devices // (tp * ep)) % pp:
+        for cp in _context_degrees(cfg, devices, tp, cluster):
+            yield from _with_cp(cfg, global_batch, devices, cluster, tp, cp, offloads, L)
+
+
+def _context_degrees(cfg: GPTConfig, devices: int, tp: int, cluster: Cluster) -> list[int]:
+    """Context-parallel degrees: powers of two inside a node beside tp (cp's ring passes K and V
+    every layer, as tp's all-reduces do), whose 2·cp head-tail chunks split each sequence evenly
+    (and, under SP, each rank's part over tp); none for a mixture of experts (refused)."""
+    if cfg.experts:
+        return [1]
+    return [1] + [
+        cp
+        for cp in _pow2_upto(max(1, cluster.gpus_per_node // tp))[1:]
+        if devices % (tp * cp) == 0 and cfg.seq_len % (2 * cp * tp) == 0
+    ]
+
+
+def _with_cp(cfg, global_batch, devices, cluster, tp, cp, offloads, L):
+    """The candidates of one (tp, cp): ep, pp, dp, micro-batching, schedule, ZeRO, recompute, offload."""
+    sp = tp > 1 and (cfg.seq_len // cp) % tp == 0
+    eps = [e for e in _divisors(cfg.experts) if (devices // tp) % e == 0] if cfg.experts else [1]
+    for ep in eps:
+        for pp in _divisors(L):
+            if (devices // (tp * cp * ep)) % pp:
+                continue
+            dp = devices // (tp * cp * ep * pp)
+            if global_batch % (dp * ep):
+                continue
+            rows = global_batch // (dp * ep)
+            for b in _pow2_upto(min(rows, MAX_MICROBATCH)):
+                if rows % b:
                     continue
-                dp = devices // (tp * ep * pp)
-                if global_batch % (dp * ep):
-                    continue
-                rows = global_batch // (dp * ep)
-                for b in _pow2_upto(min(rows, MAX_MICROBATCH)):
-                    if rows % b:
-                        continue
-                    m = rows // b
-                    for schedule, v in _schedules(pp, m, L):
-                        for zero in (0, 1, 2, 3) if dp * ep > 1 else (0,):
-                            hybrids = [0]
-                            node = cluster.gpus_per_node // (tp * ep)
-                            if zero and ep == 1 and 1 < node < dp and dp % node == 0:
-                                hybrids.append(node)
-                            for hs in hybrids:
-                                for rc in (False, True):
-                                    for off in offloads:
-                                        yield Candidate(
-                                            dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=zero, hybrid_shard=hs,
-                                            sequence_parallel=sp, microbatch_size=b, microbatches=m,
-                                            schedule=schedule, virtual_stages=v, recompute=rc, offload=off,
-                                        )  # fmt: skip
+                m = rows // b
+                for schedule, v in _schedules(pp, m, L):
+                    for zero in (0, 1, 2, 3) if dp * ep * cp > 1 else (0,):
+                        hybrids = [0]
+                        node = cluster.gpus_per_node // (tp * ep)
+                        if zero and ep == 1 and cp == 1 and 1 < node < dp and dp % node == 0:
+                            hybrids.append(node)
+                        for hs in hybrids:
+                            for rc in (False, True):
+                                for off in offloads:
+                                    yield Candidate(
+                                        dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, zero_stage=zero, hybrid_shard=hs,
+                                        sequence_parallel=sp, microbatch_size=b, microbatches=m,
+                                        schedule=schedule, virtual_stages=v, recompute=rc, offload=off,
+                                    )  # fmt: skip
 
 
 def _schedules(pp: int, m: int, L: int):
@@ -134,7 +153,7 @@ def layout_config(base, layout: Candidate, bf16: bool = True):
     (the cluster's precision: bf16 on accelerators, fp32 on a CPU)."""
     cfg = copy.deepcopy(base)
     p = cfg.parallel
-    p.dp, p.tp, p.pp, p.ep = layout.dp, layout.tp, layout.pp, layout.ep
+    p.dp, p.tp, p.pp, p.ep, p.cp = layout.dp, layout.tp, layout.pp, layout.ep, layout.cp
     p.zero_stage, p.hybrid_shard, p.sequence_parallel = (
         layout.zero_stage,
         layout.hybrid_shard,
@@ -324,7 +343,7 @@ def _sig4(x: float) -> float:
 
 def plan_summary(result: dict) -> dict:
     """The fields of each plan that the `--json` schema promises, plus the rest of the plan."""
-    keep = ("layout", "dp", "tp", "pp", "ep", "zero_stage", "hybrid_shard", "sequence_parallel")
+    keep = ("layout", "dp", "tp", "pp", "ep", "cp", "zero_stage", "hybrid_shard", "sequence_parallel")
     keep += ("microbatch_size", "microbatches", "schedule", "virtual_stages", "recompute", "offload")
     keep += ("diloco_inner_steps", "diloco_replicas", "diloco_fragments", "diloco_overlap_steps")
     keep += ("diloco_compression",)

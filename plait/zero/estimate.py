@@ -230,6 +230,7 @@ def estimate_memory(
     seq: int | None = None,
     recompute: bool = False,
     name: str | None = None,
+    cp: int = 1,
 ) -> dict:
     """Per-device memory estimate for ``params`` parameters or a ``model``.
 
@@ -238,9 +239,12 @@ def estimate_memory(
     ``precision`` pick the bytes per parameter (:func:`dtype_preset`); ``shard`` is the
     hybrid-sharding group size (default ``dp``). With ``batch`` (micro-batch size) and a model,
     the activations of :func:`activation_bytes` are added; ``seq`` defaults to the model's
-    ``seq_len``. Returns a JSON-able dict; sizes ending in ``_gb`` are in units of 1e9 bytes, as
-    in the ZeRO paper.
+    ``seq_len``. ``cp`` is context parallelism's degree: each device holds ceil(seq / cp) tokens of
+    every sequence (its activations fall as 1/cp) and the weights are replicated over dp x cp, so
+    ZeRO shards over dp x cp. Returns a JSON-able dict; sizes ending in ``_gb`` are in units of 1e9
+    bytes, as in the ZeRO paper.
     """
+    cp = _positive_int("cp", cp)
     if (params is None) == (model is None):
         raise ConfigError("give exactly one of params (a parameter count) and model (a model's config)")
     cfg = model
@@ -248,14 +252,19 @@ def estimate_memory(
         params = cfg.n_params()
     params = _positive_int("params", params)
     param_bytes, grad_bytes, k = dtype_preset(precision, optimizer)
+    if shard is not None and cp > 1:
+        raise ConfigError("hybrid sharding (shard) with context parallelism (cp > 1) is not available")
     dp, zero_stage, shard = _check_sharding(dp, zero_stage, shard)
+    data = dp * cp  # ZeRO shards over dp x cp
+    shard = data if cp > 1 else shard
     states = model_state_bytes_formula(
-        params, dp, zero_stage, param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_k=k, shard=shard
+        params, data, zero_stage, param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_k=k, shard=shard
     )
     out = {
         "params": params,
         "model": name,
         "dp": dp,
+        "cp": cp,
         "zero_stage": zero_stage,
         "stage_name": STAGE_NAMES[zero_stage],
         "shard": shard,
@@ -274,10 +283,12 @@ def estimate_memory(
     if cfg is None:
         raise ConfigError("activations need the model's shape: give model (its config) instead of params")
     seq = cfg.seq_len if seq is None else seq
-    act = activation_bytes(cfg, batch, seq, precision=precision, recompute=recompute)
+    local = -(-seq // cp)  # a device's tokens of each sequence
+    act = activation_bytes(cfg, batch, local, precision=precision, recompute=recompute)
     out.update(
         batch=_positive_int("batch", batch),
         seq=seq,
+        seq_per_device=local,
         recompute=bool(recompute),
         activation_bytes=act,
         activation_gb=act / GB,
@@ -290,11 +301,13 @@ def format_estimate(result: dict) -> str:
     """A readable table of :func:`estimate_memory`'s ``result``: the four ZeRO stages side by side
     for its dp (as in Table 1 of the ZeRO paper), the chosen stage marked, then activations."""
     p, g, k = result["param_bytes"], result["grad_bytes"], result["K"]
-    dp, shard = result["dp"], result["shard"]
+    cp = result.get("cp", 1)
+    dp, shard = result["dp"] * cp, result["shard"]  # the data ranks ZeRO shards over: dp x cp
     what = f"model {result['model']!r}, " if result["model"] else ""
+    degrees = f"dp={result['dp']}" + (f" x cp={cp} (ZeRO shards over {dp})" if cp > 1 else "")
     lines = [
-        f"{what}{result['params']:,} parameters, dp={dp}, {result['precision']} with {result['optimizer']}: "
-        f"{p} + {g} + K bytes per parameter, K={k}",
+        f"{what}{result['params']:,} parameters, {degrees}, {result['precision']} with "
+        f"{result['optimizer']}: {p} + {g} + K bytes per parameter, K={k}",
     ]
     if shard != dp:
         lines.append(
@@ -316,7 +329,9 @@ def format_estimate(result: dict) -> str:
         how = "full recomputation" if result["recompute"] else "no recomputation"
         lines.append(
             f"activations per device: {result['activation_gb']:.2f} GB "
-            f"(micro-batch {result['batch']} x {result['seq']} tokens, {how}, Korthikanti et al. 2022)"
+            f"(micro-batch {result['batch']} x {result['seq_per_device']} tokens"
+            + (f", 1/{cp} of {result['seq']}" if cp > 1 else "")
+            + f", {how}, Korthikanti et al. 2022)"
         )
         lines.append(f"total for stage {result['zero_stage']}: {result['total_gb']:.2f} GB")
     return "\n".join(lines)
