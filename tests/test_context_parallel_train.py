@@ -346,3 +346,18 @@ def test_bad_cp_configs_are_refused_naming_the_key(case):
     keys, message = BAD[case]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate(read_config(None, (("model.name", "small"), ("parallel.dp", "1"), *keys)), data=False)
+
+
+def test_the_memory_check_before_start_counts_a_ranks_part_of_each_sequence():
+    """The pre-start memory check (plait.train.preflight): activations and logits of seq/cp tokens,
+    dense model states sharded by ZeRO over dp x cp."""
+    from plait.train.config import read_config
+    from plait.train.preflight import rank_memory
+
+    def mem(*keys):
+        return rank_memory(read_config(None, (("model.name", "small"), ("parallel.dp", "2"), *keys)), False)
+
+    one, four = mem(), mem(("parallel.cp", "4"))
+    assert four["activations"] * 4 == one["activations"]  # 128 tokens: 32 per rank, exactly a quarter
+    z_one, z_four = mem(("parallel.zero_stage", "3")), mem(("parallel.zero_stage", "3"), ("parallel.cp", "4"))
+    assert z_four["params"] * 4 == z_one["params"]  # 842,496 parameters over 2 x 4 ranks, not 2

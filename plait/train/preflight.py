@@ -77,8 +77,8 @@ def rank_memory(cfg: Config, use_cuda: bool) -> dict[str, int]:
     """Bytes one rank of `cfg` needs at least: params, grads, optimizer, activations, runtime, total.
 
     The rank that holds the most: parameters are split over tp x pp (experts also over ep) and
-    sharded by ZeRO over the data axes they are replicated on (dense: dp x ep or the hybrid shard
-    group; experts: dp). Optimizer state offloaded to disk, or to the host on a CUDA run, is not
+    sharded by ZeRO over the data axes they are replicated on (dense: dp x ep x cp or the hybrid
+    shard group; experts: dp); under context parallelism a rank holds 1/cp of each sequence. Optimizer state offloaded to disk, or to the host on a CUDA run, is not
     in the device's figure.
     """
     m, p = model_config(cfg), cfg.parallel
@@ -89,7 +89,7 @@ def rank_memory(cfg: Config, use_cuda: bool) -> dict[str, int]:
     states = {"params": 0, "grads": 0, "optimizer": 0}
     # (parameters, the ranks that split them, the ranks that ZeRO shards them over)
     for n, split, shard in (
-        (dense, p.tp * p.pp, p.hybrid_shard or p.dp * p.ep),
+        (dense, p.tp * p.pp, p.hybrid_shard or p.dp * p.ep * p.cp),
         (experts, p.tp * p.pp * p.ep, p.dp),
     ):
         per_rank = -(-n // split)
@@ -109,18 +109,20 @@ def rank_memory(cfg: Config, use_cuda: bool) -> dict[str, int]:
 def _activations(cfg: Config, m) -> int:
     p, t = cfg.parallel, cfg.train
     rows = t.global_batch // (p.dp * p.ep)  # the batch is split over dp x ep
+    seq = -(-m.seq_len // p.cp)  # and each sequence over cp
 
     def per_micro_batch(batch: int) -> tuple[int, int]:
         layers = activation_bytes(
             m,
             batch,
+            seq,
             precision="bf16" if t.bf16 else "fp32",
             recompute=t.activation_checkpointing,
             tp=p.tp,
             sequence_parallel=p.sequence_parallel,
             stored_scores=False,
         )
-        return layers, batch * m.seq_len * m.vocab_size * 4 // p.tp  # the fp32 logits, once
+        return layers, batch * seq * m.vocab_size * 4 // p.tp  # the fp32 logits, once
 
     if p.pp == 1:
         layers, logits = per_micro_batch(rows // t.micro_batches)
@@ -243,7 +245,7 @@ def _alternatives(cfg: Config, use_cuda: bool) -> list[tuple[str, str, Config]]:
         )
 
     out = []
-    zero3 = p.zero_stage < 3 and p.dp * p.ep > 1  # sharding needs data-parallel ranks
+    zero3 = p.zero_stage < 3 and p.dp * p.ep * p.cp > 1  # sharding needs data-parallel ranks
     if zero3:
         out.append(("zero", "parallel.zero_stage = 3", changed(parallel={"zero_stage": 3})))
     if not t.activation_checkpointing:
