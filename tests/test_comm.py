@@ -36,7 +36,7 @@ def _mesh_and_ops():
         except TopologyError as exc:
             assert "4" in str(exc) or "positive" in str(exc)
     m = Mesh(pp=2, tp=2, timeout_s=30)
-    assert m.coords == {"pp": rank // 2, "dp": 0, "ep": 0, "tp": rank % 2}
+    assert m.coords == {"pp": rank // 2, "dp": 0, "ep": 0, "cp": 0, "tp": rank % 2}
     assert m.group("dp") is None and m.size("ep") == 1 and m.ranks("pp") == [rank % 2, rank % 2 + 2]
     m.close()
 
@@ -71,7 +71,7 @@ def _mesh_and_ops():
     h.close()
 
     mesh = Mesh(dp=2, tp=2, timeout_s=30)
-    assert mesh.coords == {"pp": 0, "dp": rank // 2, "ep": 0, "tp": rank % 2}
+    assert mesh.coords == {"pp": 0, "dp": rank // 2, "ep": 0, "cp": 0, "tp": rank % 2}
     assert mesh.ranks("tp") == [rank - rank % 2, rank - rank % 2 + 1]
     assert mesh.ranks("dp") == [rank % 2, rank % 2 + 2]
     mesh.ledger.set_step(1)

@@ -20,6 +20,7 @@ from conftest import (
     gpt_adamw,
     gpt_reference,
     gpt_sgd,
+    metrics,
     resume_job,
     side_by_side,
     tiny_gpt,
@@ -286,18 +287,15 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def train_runs(tmp_path_factory):
-    """`plait train` under dp 2 (uninterrupted), cp 2 ring (uninterrupted), cp 2 Ulysses cut after
-    step 4 and resumed under dp 2, and dp 2 cut and resumed under cp 2 ring; SGD, no clipping."""
+    """`plait train` under dp 2, cp 2 ring and cp 2 Ulysses (8 steps each, SGD, no clipping), the
+    Ulysses run's checkpoint of step 4 resumed under dp 2 and dp 2's under cp 2 ring."""
     base = tmp_path_factory.mktemp("cp")
+    EVAL = ("--train.eval_every", "4")  # held-out evaluation at steps 4 and 8, through the cp engine
     jobs = {}
-    for name in ("dp2", "cp2-ring"):
-        jobs[name] = train_job(base / name, *TINY, *SGD, *LAYOUTS[name], timeout=300)
-    jobs["cp2-ulysses"] = train_job(
-        base / "cp2-ulysses", *TINY, *SGD, *LAYOUTS["cp2-ulysses"], "--train.stop_at", "4", timeout=300
-    )
-    jobs["cut-dp2"] = train_job(base / "cut-dp2", *TINY, *SGD, *LAYOUTS["dp2"], "--train.stop_at", "4")
+    for name in ("dp2", "cp2-ring", "cp2-ulysses"):
+        jobs[name] = train_job(base / name, *TINY, *SGD, *EVAL, *LAYOUTS[name], timeout=300)
     jobs["cp2-ulysses-to-dp2"] = resume_job(jobs["cp2-ulysses"], base / "u2d", *LAYOUTS["dp2"], timeout=300)
-    jobs["dp2-to-cp2-ring"] = resume_job(jobs["cut-dp2"], base / "d2c", *LAYOUTS["cp2-ring"], timeout=300)
+    jobs["dp2-to-cp2-ring"] = resume_job(jobs["dp2"], base / "d2c", *LAYOUTS["cp2-ring"], timeout=300)
     return side_by_side(jobs)
 
 
@@ -306,7 +304,12 @@ def test_plait_train_under_cp_gives_the_loss_curve_of_dp(train_runs):
         assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
     full = train_runs["dp2"][0]
     assert_runs_match(train_runs["cp2-ring"][0], full, what="cp2 ring")
-    assert_runs_match(train_runs["cp2-ulysses"][0], full, steps=range(1, 5), what="cp2 ulysses")
+    want = metrics(full)
+    for name in ("cp2-ring", "cp2-ulysses"):  # held-out: each rank's part of every sequence, summed
+        got = metrics(train_runs[name][0])
+        for step in (4, 8):
+            assert abs(got[step]["val_loss"] - want[step]["val_loss"]) <= 1e-5 * want[step]["val_loss"]
+    assert_runs_match(train_runs["cp2-ulysses"][0], full, what="cp2 ulysses")
     assert_runs_match(train_runs["cp2-ulysses-to-dp2"][0], full, steps=range(5, 9), what="ulysses -> dp2")
     assert_runs_match(train_runs["dp2-to-cp2-ring"][0], full, steps=range(5, 9), what="dp2 -> cp2 ring")
 

@@ -78,8 +78,8 @@ def rank_memory(cfg: Config, use_cuda: bool) -> dict[str, int]:
 
     The rank that holds the most: parameters are split over tp x pp (experts also over ep) and
     sharded by ZeRO over the data axes they are replicated on (dense: dp x ep x cp or the hybrid
-    shard group; experts: dp); under context parallelism a rank holds 1/cp of each sequence. Optimizer state offloaded to disk, or to the host on a CUDA run, is not
-    in the device's figure.
+    shard group; experts: dp); under context parallelism a rank holds 1/cp of each sequence.
+    Optimizer state offloaded to disk, or to the host on a CUDA run, is not in the device's figure.
     """
     m, p = model_config(cfg), cfg.parallel
     d, f, b = m.d_model, m.ff_dim, int(m.bias)
