@@ -46,17 +46,15 @@ class ContextParallelEngine:
         r = self.mesh.rank(self.axis)
         return [split.take(t, r) for t in tensors]
 
-    def _summed(self, value: torch.Tensor) -> torch.Tensor:
-        """`value` summed over cp, outside the step's traffic (the loop's own loss all-reduce is too)."""
+    def _summed(self, value) -> float:
+        """`value` summed over cp, outside the step's traffic (as the loop's own loss report is)."""
         ledger = self.mesh.ledger
         step = ledger.step
         ledger.set_step(-1)
         try:
-            out = value.detach().to(self.mesh.device, torch.float64).reshape(1).clone()
-            comm.all_reduce(out, self.mesh, self.axis)
+            return comm.all_reduce_scalar(float(value), self.mesh, (self.axis,))
         finally:
             ledger.set_step(step)
-        return out[0]
 
     def forward_backward(self, micro_batches, loss_scale: float, autocast=None):
         split = split_for(micro_batches[0][0].shape[1], self.cp, self.style)
@@ -65,7 +63,7 @@ class ContextParallelEngine:
         with sequence_split(self.mesh, self.axis, self.style, split):
             total = self.inner.forward_backward(local, loss_scale * self.cp, autocast)
         self._check_attends(calls() - before)
-        return self._summed(torch.as_tensor(total))
+        return torch.tensor(self._summed(total), dtype=torch.float64)
 
     def _check_attends(self, n: int) -> None:
         """After the first step: the model attended through plait's `attention` (a model that
@@ -88,4 +86,4 @@ class ContextParallelEngine:
         x, y = self._local((x, y), split)
         with sequence_split(self.mesh, self.axis, self.style, split):
             total = self.inner.eval_loss_sum(x, y)
-        return self._summed(torch.as_tensor(total))
+        return torch.tensor(self._summed(total), dtype=torch.float64)

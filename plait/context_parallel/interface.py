@@ -50,7 +50,7 @@ class Active:
 
 
 _ACTIVE: Active | None = None
-_CALLS = [0]  # attention calls under a split: a model that attends by other means is caught
+_CALLS = 0  # attention calls under a split: a model that attends by other means is caught
 
 
 def split_for(T: int, cp: int, style: str) -> SequenceSplit:
@@ -80,7 +80,7 @@ def sequence_split(mesh, axis: str, style: str, split: SequenceSplit):
 
 def calls() -> int:
     """How many times `attention` has run under a split (in this process)."""
-    return _CALLS[0]
+    return _CALLS
 
 
 def active() -> Active | None:
@@ -108,7 +108,8 @@ def attention(q, k, v, *, scale: float | None = None, dropout_p: float = 0.0) ->
     a = _ACTIVE
     if a is None:
         return sdpa_gqa(q, k, v, scale, dropout_p)
-    _CALLS[0] += 1
+    global _CALLS
+    _CALLS += 1
     if a.style == "ulysses":
         return ulysses_attention(q, k, v, a.mesh, a.axis, scale, dropout_p)
     if dropout_p:
