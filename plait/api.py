@@ -31,6 +31,7 @@ from torch import nn
 
 from plait import zero
 from plait.apply import parallelize as parallelize_part
+from plait.context_parallel import STYLES
 from plait.errors import ConfigError
 from plait.layout import Job, Layout
 from plait.mesh import Mesh, backend_for, default_device, init_distributed
@@ -50,6 +51,8 @@ KEYS: dict[str, Any] = {
     "activation_checkpointing": False,
     "pp": 1,
     "ep": 1,
+    "cp": 1,
+    "cp_style": "ring",
     "schedule": "1f1b",
     "microbatches": 0,
     "virtual_stages": 0,
@@ -59,7 +62,7 @@ KEYS: dict[str, Any] = {
     "timeout_s": 300.0,
 }
 # What a Mesh already fixes; the other keys are `options` beside a Mesh.
-SHAPE_KEYS = ("dp", "tp", "pp", "ep", "hybrid_shard", "device", "timeout_s")
+SHAPE_KEYS = ("dp", "tp", "pp", "ep", "cp", "hybrid_shard", "device", "timeout_s")
 
 
 def _settings(spec) -> dict:
@@ -86,9 +89,11 @@ def _settings(spec) -> dict:
     out = {**KEYS, **raw}
     if out["zero_stage"] not in zero.STAGES:
         raise ConfigError(f"parallelize: zero_stage = {out['zero_stage']!r}; valid: 0, 1, 2, 3")
-    for key in ("dp", "tp", "pp", "ep", "hybrid_shard", "microbatches", "virtual_stages"):
+    if out["cp_style"] not in STYLES:
+        raise ConfigError(f"parallelize: cp_style = {out['cp_style']!r}; valid: {', '.join(STYLES)}")
+    for key in ("dp", "tp", "pp", "ep", "cp", "hybrid_shard", "microbatches", "virtual_stages"):
         v = out[key]
-        low = 1 if key in ("dp", "tp", "pp", "ep") else 0
+        low = 1 if key in ("dp", "tp", "pp", "ep", "cp") else 0
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
             raise ConfigError(f"parallelize: {key} must be an integer >= {low}, got {v!r}")
     return out
@@ -151,13 +156,16 @@ def parallelize(
             schedule, microbatches and virtual_stages (the pipeline's: 1f1b, gpipe,
             interleaved, zb-h1, zb-h2, zb-v), ep (expert parallelism over the model's plait MoE
             layers: the batch is split over dp x ep), offload ("cpu" or "disk": ZeRO-Offload's
-            optimizer state and step off the device, from stage 1; disk under offload_path).
+            optimizer state and step off the device, from stage 1; disk under offload_path), cp
+            (context parallelism: each sequence split over cp ranks; the model attends through
+            `plait.context_parallel.attention`, batches hold whole sequences on dim 1) and
+            cp_style ("ring" or "ulysses").
             None means {} (data parallel over every rank). The process group is initialised
             from the launcher's environment (RANK, WORLD_SIZE, ...) when none is, or as a group
             of one.
         options: the keys above that a Mesh does not fix (zero_stage, sequence_parallel,
             bucket_mb, mixed_precision, activation_checkpointing, schedule, microbatches,
-            virtual_stages, offload, offload_path), given beside a Mesh; beside a dict they are
+            virtual_stages, offload, offload_path, cp_style), given beside a Mesh; beside a dict they are
             merged into it.
         loss_fn: `loss_fn(model, batch) -> scalar`, the mean loss over the batch's rows;
             default: the model's own output, called as model(*batch), model(**batch) or
@@ -228,7 +236,7 @@ def _mesh_and_settings(mesh_or_config, options: dict) -> tuple[Mesh, dict, bool]
                 f"parallelize: options key {fixed[0]!r} is fixed by the Mesh given; pass a dict instead "
                 f"of a Mesh to choose it, or only these options: {allowed}"
             )
-        sizes = {a: mesh.size(a) for a in ("dp", "tp", "pp", "ep")}
+        sizes = {a: mesh.size(a) for a in ("dp", "tp", "pp", "ep", "cp")}
         s = _settings({**sizes, **options})
         if mesh.has_axis("dp_shard"):
             s["hybrid_shard"] = mesh.size("dp_shard")
@@ -239,13 +247,13 @@ def _mesh_and_settings(mesh_or_config, options: dict) -> tuple[Mesh, dict, bool]
         s = _settings(spec)
         device, owns_group = _init_group(s["device"])
         world = dist.get_world_size()
-        others = s["tp"] * s["pp"] * s["ep"]
+        others = s["tp"] * s["pp"] * s["ep"] * s["cp"]
         dp = s["dp"] if s["dp"] is not None else world // others
         if dp * others != world:
             raise ConfigError(
-                f"parallelize: pp = {s['pp']} x dp = {dp} x ep = {s['ep']} x tp = {s['tp']} is "
-                f"{dp * others} ranks but the world size is {world}: set the degrees so that their "
-                "product is the number of processes"
+                f"parallelize: pp = {s['pp']} x dp = {dp} x ep = {s['ep']} x cp = {s['cp']} x "
+                f"tp = {s['tp']} is {dp * others} ranks but the world size is {world}: set the degrees "
+                "so that their product is the number of processes"
             )
         if s["hybrid_shard"] and dp % s["hybrid_shard"]:
             raise ConfigError(f"parallelize: hybrid_shard = {s['hybrid_shard']} must divide dp = {dp}")
@@ -254,6 +262,7 @@ def _mesh_and_settings(mesh_or_config, options: dict) -> tuple[Mesh, dict, bool]
             pp=s["pp"],
             dp=dp,
             ep=s["ep"],
+            cp=s["cp"],
             tp=s["tp"],
             device=device,
             timeout_s=s["timeout_s"],
@@ -269,6 +278,7 @@ def _layout(mesh: Mesh, s: dict) -> Layout:
         dp_shard=s["hybrid_shard"] or 0,
         zero_stage=s["zero_stage"],
         sequence_parallel=s["sequence_parallel"],
+        cp_style=s["cp_style"],
         schedule=s["schedule"],
         microbatches=s["microbatches"],
         virtual_stages=s["virtual_stages"],

@@ -98,8 +98,10 @@ class ParallelModel:
         engine: the plait engine underneath (plait.engine's contract).
         rank, world: this process's global rank and the number of processes.
         dp_rank, dp: this rank's coordinate over the axes the batch is split on (dp, or dp x ep
-            under expert parallelism) and their size (tp peers and pipeline stages see the same
-            rows).
+            under expert parallelism) and their size (tp peers, pipeline stages and cp ranks see
+            the same rows).
+        cp_rank, cp: this rank's coordinate on the context-parallel axis and its size: under
+            cp > 1 `forward_backward` keeps this rank's part of every sequence (`sequence_part`).
         is_main: global rank 0 (print and write files there).
         device: the device this rank computes on.
         steps: optimizer steps taken (restored by `load`).
@@ -118,6 +120,7 @@ class ParallelModel:
         self._data_axes = ("dp", "ep") if mesh.size("ep") > 1 else ("dp",)
         axis = mesh.axis_over(self._data_axes)
         self.dp_rank, self.dp = mesh.rank(axis), mesh.size(axis)
+        self.cp_rank, self.cp = mesh.rank("cp"), mesh.size("cp")
         self.is_main = mesh.is_rank0
         self.steps = 0
         self.device = mesh.device
@@ -155,7 +158,14 @@ class ParallelModel:
                 gradients (communication after the last one only, where the layout allows),
                 each weighted by its share of the rows, so the gradient is unchanged.
             average: return the loss averaged over dp (one scalar all-reduce); False returns
-                this rank's own mean loss without communicating.
+                this rank's own mean loss without communicating (under cp, over its part of each
+                sequence; under a pipeline, the dp rank's, reduced over its stages and cp).
+
+        Under context parallelism (cp > 1) pass whole sequences: each cp rank keeps its tokens of
+        every tensor of two or more dimensions (`sequence_part`), the model attends through
+        `plait.context_parallel.attention` and takes `positions` (docs/context-parallel.md), and
+        the loss must be the mean over the tokens it is given (a token-level mean, as cross
+        entropy's): each rank's is weighted by its share of the sequence.
 
         Call `step()` before the next `forward_backward`: the gradients of one step are
         synchronised once, so accumulate with `micro_batches`, not with repeated calls.
@@ -163,47 +173,83 @@ class ParallelModel:
         Returns the mean loss over the global batch (with average=True) as a float.
         """
         batch = map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+        split, batch = self.sequence_part(batch)
         if self.mesh.size("pp") > 1:
-            total = self._pipeline_step(batch)
+            total = self._pipeline_step(batch, split)  # the dp rank's mean (summed over cp)
             return comm.all_reduce_scalar(total, self.mesh, self._data_axes) / self.dp if average else total
         parts = (
             [batch]
             if micro_batches == 1
             else [split_batch(batch, micro_batches, i) for i in range(micro_batches)]
         )
+        # Under cp each rank's mean is over its tokens: weighted by its share of each sequence (and
+        # by cp, as the gradient is averaged over dp x cp), the sum over cp is the dp rank's mean.
+        weight = 1.0 if split is None else self.cp * self.engine.share(split)
         total = 0.0
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            with contextlib.nullcontext() if last else self.engine.no_sync():
-                loss = self._loss(part)
-                (loss / len(parts)).backward()
-            total += float(loss.detach()) / len(parts)
+        with self._attending(split):
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                with contextlib.nullcontext() if last else self.engine.no_sync():
+                    loss = self._loss(part)
+                    (loss * (weight / len(parts))).backward()
+                total += float(loss.detach()) / len(parts)
         if not average:
             return total
-        return comm.all_reduce_scalar(total, self.mesh, self._data_axes) / self.dp
+        axes = self._data_axes + (("cp",) if split is not None else ())
+        return comm.all_reduce_scalar(total * weight, self.mesh, axes) / (self.dp * self.cp)
 
-    def _pipeline_step(self, batch) -> float:
+    def sequence_part(self, batch):
+        """`(split, this rank's part of batch)` under context parallelism, `(None, batch)` without:
+        every tensor of two or more dimensions holds the sequence on dim 1 (rows, tokens, ...),
+        all of one length T, and keeps this cp rank's tokens of it (head-tail chunks for the ring,
+        contiguous for Ulysses: `plait.context_parallel.SequenceSplit`); tensors of one dimension
+        (per-row values) are kept whole."""
+        if self.cp == 1:
+            return None, batch
+        lengths: set[int] = set()
+        map_tensors(batch, lambda t: lengths.add(t.shape[1]) if t.dim() >= 2 else None)
+        if len(lengths) != 1:
+            got = f"lengths {sorted(lengths)} on dim 1" if lengths else "no tensor of two or more dimensions"
+            raise ConfigError(
+                f"parallelize: under cp = {self.cp} every batch tensor of two or more dimensions holds "
+                f"the sequence on dim 1 (rows, tokens, ...), all of one length; got {got}: pass "
+                "(rows, tokens) tensors such as input ids, targets and attention masks"
+            )
+        split = self.engine.split(lengths.pop())
+        return split, map_tensors(batch, lambda t: self.engine.take(t, split) if t.dim() >= 2 else t)
+
+    def _attending(self, split):
+        return contextlib.nullcontext() if split is None else self.engine.attending(split)
+
+    def _pipeline_step(self, batch, split) -> float:
         """One step of the pipeline schedule over `(inputs, targets)`, cut into the schedule's
         micro-batches. With a loss_fn, the last stage computes each micro-batch's mean loss
         (`stage_loss`) and the step's is their mean (equal cuts of the rows); without one, the
         model's last stage computes the summed loss, divided by the targets' elements (its
-        tokens). Returns this rank's mean."""
+        tokens). Under cp (`split`: this rank's part of the sequence) the inner engine runs on
+        this rank's tokens, each rank's part weighted as in `forward_backward`. Returns the dp
+        rank's mean."""
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(map(torch.is_tensor, batch))):
             raise ConfigError(f"parallelize: {PP_LOSS}; got a {type(batch).__name__}, not two tensors")
         x, y = batch
-        m = self.engine.schedule.m
-        if self.loss_fn is None:
-            loss_sum = self.engine.forward_backward(list(zip(x.chunk(m), y.chunk(m))), 1.0 / y.numel())
-            return comm.all_reduce_scalar(float(loss_sum), self.mesh, ("pp",)) / y.numel()
+        engine, axes = (self.engine, ("pp",)) if split is None else (self.engine.inner, ("pp", "cp"))
+        m = engine.schedule.m
+        if self.loss_fn is None:  # summed losses: the tokens of the dp rank's whole sequences
+            tokens = y.numel() if split is None else y.numel() * split.T // y.shape[1]
+            with self._attending(split):
+                loss_sum = engine.forward_backward(list(zip(x.chunk(m), y.chunk(m))), self.cp / tokens)
+            return comm.all_reduce_scalar(float(loss_sum), self.mesh, axes) / tokens
         if x.shape[0] % m or y.shape[0] != x.shape[0]:
             raise ConfigError(
                 f"parallelize: under a pipeline with a loss_fn, this rank's {x.shape[0]} rows of inputs "
                 f"(and {y.shape[0]} of targets) must be cut into {m} equal micro-batches: give a "
                 f"multiple of {m} rows per dp rank, or set microbatches"
             )
+        share = 1.0 if split is None else self.engine.share(split)
         parts = [(xi, (xi, yi)) for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True)]
-        loss_sum = self.engine.forward_backward(parts, 1.0 / m)
-        return comm.all_reduce_scalar(float(loss_sum), self.mesh, ("pp",)) / m
+        with self._attending(split):
+            loss_sum = engine.forward_backward(parts, self.cp * share / m)
+        return comm.all_reduce_scalar(float(loss_sum) * share, self.mesh, axes) / m
 
     def step(self) -> float:
         """Clip the gradients' global norm to `grad_clip` (when set), take the optimizer step,

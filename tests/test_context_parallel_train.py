@@ -30,6 +30,8 @@ from conftest import (
 )
 
 from plait.apply import parallelize
+from plait.context_parallel import attention as cp_attention
+from plait.context_parallel import positions as cp_positions
 from plait.errors import ConfigError
 from plait.layout import Layout
 from plait.optim import param_groups
@@ -162,6 +164,7 @@ def _all_4() -> dict:
     out.update(_planted(mesh))
     out["refused"] = _refused(mesh)
     mesh.close()
+    out.update(_api_cases())
     mesh = Mesh(cp=4, timeout_s=180)
     out["cp4-ring-sgd"] = _run(mesh, True, grads=True)
     out["cp4-ring-uneven-sgd"] = _run(mesh, True, T=35, grads=True)  # 8 chunks of 4 or 5 tokens
@@ -177,6 +180,175 @@ def _all_4() -> dict:
     out["cp2-pp2-ulysses"] = _run(mesh, False, microbatches=2, cp_style="ulysses")
     mesh.close()
     return out
+
+
+# --- the custom loop: plait.parallelize with cp --------------------------------------------------
+
+V, D, H, H_KV = 256, 16, 4, 2
+
+
+class UserAttention(torch.nn.Module):
+    """A user's grouped-query attention block (not plait's), opting in to context parallelism by
+    calling plait.context_parallel.attention; `own=True` is the same block written with torch's
+    attention alone, for the one-process reference."""
+
+    def __init__(self, own: bool = False):
+        super().__init__()
+        self.own = own
+        self.norm, self.q = torch.nn.LayerNorm(D), torch.nn.Linear(D, D)
+        self.kv, self.o = torch.nn.Linear(D, 2 * H_KV * (D // H)), torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        h = self.norm(x)
+        q = self.q(h).view(B, L, H, D // H).transpose(1, 2)
+        k, v = self.kv(h).view(B, L, 2, H_KV, D // H).permute(2, 0, 3, 1, 4)
+        if self.own:
+            k, v = k.repeat_interleave(H // H_KV, dim=1), v.repeat_interleave(H // H_KV, dim=1)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = cp_attention(q, k, v)
+        return x + self.o(y.transpose(1, 2).reshape(B, L, D))
+
+
+class UserEmbed(torch.nn.Module):
+    def __init__(self, own: bool = False):
+        super().__init__()
+        self.own, self.tok, self.pos = own, torch.nn.Embedding(V, D), torch.nn.Embedding(64, D)
+
+    def forward(self, ids):
+        L = ids.shape[1]
+        pos = torch.arange(L, device=ids.device) if self.own else cp_positions(L, ids.device)
+        return self.tok(ids) + self.pos(pos)
+
+
+def user_lm(own: bool = False) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(UserEmbed(own), UserAttention(own), UserAttention(own), torch.nn.Linear(D, V))
+
+
+def user_loss(model, batch):
+    """The mean token loss, as one process computes it (here over the rank's tokens)."""
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+class UserLM(torch.nn.Module):
+    """The user's model returning its own loss from a dict batch (`model(**batch)`)."""
+
+    def __init__(self, own: bool = False):
+        super().__init__()
+        self.net = user_lm(own)
+
+    def forward(self, ids, labels, row_weight):
+        assert row_weight.shape == (ids.shape[0],)  # a per-row tensor arrives whole
+        return user_loss(self.net, (ids, labels))
+
+
+def _api_batches(T: int) -> list:
+    return token_batches(STEPS, BATCH, T, vocab=V, seed=5)
+
+
+def _dict(batch):
+    return {"ids": batch[0], "labels": batch[1], "row_weight": torch.ones(batch[0].shape[0])}
+
+
+# name: (model, T, layout keys, forward_backward keywords)
+API = {
+    "api-cp2-dp2-ring-accum": ("dict", 32, {"dp": 2, "cp": 2}, {"micro_batches": 2}),
+    "api-cp2-dp2-ulysses-z3": ("dict", 32, {"dp": 2, "cp": 2, "cp_style": "ulysses", "zero_stage": 3}, {}),
+    "api-cp4-ring-uneven": ("seq", 35, {"cp": 4}, {}),  # 8 chunks of 4 or 5 tokens: shares weigh
+    # the first stage holds the embedding only: the attention check counts the pipeline's calls
+    "api-cp2-pp2-ulysses": ("seq", 32, {"pp": 2, "cp": 2, "cp_style": "ulysses", "microbatches": 2}, {}),
+    "api-gpt-cp2-tp2-sp": ("gpt", 32, {"cp": 2, "tp": 2, "sequence_parallel": True}, {}),
+    "api-gpt-cp2-pp2": ("gpt", 35, {"pp": 2, "cp": 2, "microbatches": 2}, {}),  # summed losses
+}
+
+
+def _api_model(kind: str, own: bool = False):
+    return {"dict": lambda: UserLM(own), "seq": lambda: user_lm(own), "gpt": _model}[kind]()
+
+
+def _api_run(name: str) -> dict:
+    import plait
+
+    kind, T, keys, kw = API[name]
+    extra = dict(loss_fn=user_loss, stages=lambda m: [m[:1], m[1:]]) if kind == "seq" else {}
+    engine = plait.parallelize(_api_model(kind), gpt_sgd, keys, **extra)
+    losses = []
+    for batch in _api_batches(T):
+        losses.append(engine.forward_backward(engine.shard(_dict(batch) if kind == "dict" else batch), **kw))
+        engine.step()
+    out = {"losses": losses, "params": engine.full_parameters()}
+    engine.close()
+    return out
+
+
+def _api_errors() -> list[str]:
+    import plait
+
+    engine = plait.parallelize(user_lm(), gpt_sgd, {"cp": 4})
+    errors = []
+    x, y = _api_batches(32)[0]
+    for bad in ((x, y[:, :16]), (x[:, 0], y[:, 0])):  # two sequence lengths; no sequence at all
+        try:
+            engine.forward_backward(bad)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    engine.close()
+    return errors
+
+
+def _api_cases() -> dict:
+    out = {name: _api_run(name) for name in API}
+    out["api-errors"] = {"errors": _api_errors(), "params": {}}
+    return out
+
+
+def _api_reference(name: str) -> tuple[list[float], dict]:
+    """One process, plain torch and the blocks' own attention: SGD on the global batches."""
+    kind, T, _, _ = API[name]
+    model = _api_model(kind, own=True)
+    opt = gpt_sgd(model.parameters())
+    losses = []
+    for batch in _api_batches(T):
+        loss = (
+            model(**_dict(batch))
+            if kind == "dict"
+            else user_loss(model, batch)
+            if kind == "seq"
+            else model(*batch)
+        )
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", list(API))
+def test_a_custom_loop_under_cp_follows_one_process(results, name):
+    """`plait.parallelize(model, factory, {"cp": ...})` on whole sequences: a user's own blocks
+    calling plait's attention and positions (a dict batch with a per-row tensor, an nn.Sequential
+    with a loss_fn and stages) and plait's GPT; losses on every rank and the final parameters
+    within 1e-5 of one process (SGD, no clipping)."""
+    losses, params = _api_reference(name)
+    for rank, per in enumerate(results["_per_rank"]):
+        assert_close_losses(per[name]["losses"], losses, atol=TOL, what=f"{name} rank {rank}")
+    got = results[name]["params"]
+    assert sorted(got) == sorted(params), name
+    assert_close_params(got, params, atol=TOL, what=name)
+    moved = max(
+        float((p - _api_model(API[name][0], own=True).state_dict()[n]).abs().max()) for n, p in params.items()
+    )
+    assert moved > 100 * TOL  # the reference trained
+
+
+def test_a_custom_loop_batch_without_one_sequence_length_is_refused(results):
+    for per in results["_per_rank"]:
+        first, second = per["api-errors"]["errors"]
+        assert "lengths [16, 32] on dim 1" in first and "cp = 4" in first, first
+        assert "no tensor of two or more dimensions" in second, second
 
 
 @pytest.fixture(scope="module")

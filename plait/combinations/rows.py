@@ -97,10 +97,6 @@ def _cp_rows() -> list[Rule]:
             "DiLoCo's replica groups are cut from dp by its launcher, which does not lay out a cp axis "
             "inside a group yet", "set diloco.inner_steps = 0, or parallel.cp = 1",
             ("parallel.cp", "diloco.inner_steps"), (cp, ("diloco.inner_steps", "4"))),
-        _no("cp-api", {"cp", "api"}, "plait.parallelize on a mesh with cp = {cp} is not available",
-            "the custom loop's batch and its mean loss are the user's: plait cannot tell which "
-            "dimension is the sequence, nor weigh each rank's mean by its tokens",
-            "use `plait train` (parallel.cp), or a mesh with cp = 1", ("cp",), (("cp", 2),), api=True),
     ]  # fmt: skip
 
 
@@ -340,9 +336,14 @@ SUPPORTED += [
     _yes("cp-layouts", {"cp"},
          "context parallelism, ring or Ulysses, with dp, ZeRO-1/2/3, tp + SP, pp, activation "
          "checkpointing and gradient accumulation ([context-parallel.md](context-parallel.md))",
-         ("parallel.cp", "parallel.cp_style"), "`plait train` only",
+         ("parallel.cp", "parallel.cp_style"), '`Layout(cp=2, cp_style="ulysses")`',
          "tests/test_context_parallel_train.py::test_context_parallel_training_follows_one_process",
          any_={"dp", "zero", "tp", "pp", "recompute", "grad-accum"}),
+    _yes("cp-api", {"cp", "api"},
+         "context parallelism in a custom loop: whole sequences in, each cp rank keeps its tokens, the "
+         "user's attention opts in through plait.context_parallel.attention; with dp, ZeRO, tp + SP, pp",
+         ("cp", "cp_style"), '`plait.parallelize(model, factory, {"cp": 2})`',
+         "tests/test_context_parallel_train.py::test_a_custom_loop_under_cp_follows_one_process"),
 ]  # fmt: skip
 COMBINATIONS: tuple[Rule, ...] = (*REFUSED, *SUPPORTED)  # the refused rows in check order, then the supported
 assert len({r.id for r in COMBINATIONS}) == len(COMBINATIONS), "row ids name one row each"

@@ -20,10 +20,13 @@ Everything else (the optimizer, norms, checkpoints, memory) is the inner engine'
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from plait import comm
 from plait.context_parallel.interface import calls, sequence_split, split_for
+from plait.context_parallel.sequence import SequenceSplit
 from plait.errors import ConfigError
 
 AXIS = "cp"
@@ -42,28 +45,48 @@ class ContextParallelEngine:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def _local(self, tensors, split):
-        r = self.mesh.rank(self.axis)
-        return [split.take(t, r) for t in tensors]
+    @property
+    def rank(self) -> int:
+        """This rank's coordinate on the cp axis."""
+        return self.mesh.rank(self.axis)
 
-    def _summed(self, value) -> float:
-        """`value` summed over cp, outside the step's traffic (as the loop's own loss report is)."""
+    def split(self, T: int) -> SequenceSplit:
+        """How sequences of `T` tokens lie over the cp ranks in this engine's style."""
+        return split_for(T, self.cp, self.style)
+
+    def share(self, split: SequenceSplit) -> float:
+        """The fraction of every sequence this rank holds (1/cp when the chunks are equal)."""
+        return split.local_len(self.rank) / split.T
+
+    def take(self, t: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+        """This rank's tokens of `t`, a whole (rows, T, ...) tensor."""
+        return split.take(t, self.rank)
+
+    @contextlib.contextmanager
+    def attending(self, split: SequenceSplit):
+        """The model holds this rank's part of `split` inside; after the first step, a model that
+        never attended through plait's `attention` is refused (`_check_attends`)."""
+        before = calls()
+        with sequence_split(self.mesh, self.axis, self.style, split):
+            yield
+        self._check_attends(calls() - before)
+
+    def summed(self, value, axes: tuple[str, ...] = (AXIS,)) -> float:
+        """`value` summed over `axes`, outside the step's traffic (as the loop's own loss report is)."""
         ledger = self.mesh.ledger
         step = ledger.step
         ledger.set_step(-1)
         try:
-            return comm.all_reduce_scalar(float(value), self.mesh, (self.axis,))
+            return comm.all_reduce_scalar(float(value), self.mesh, axes)
         finally:
             ledger.set_step(step)
 
     def forward_backward(self, micro_batches, loss_scale: float, autocast=None):
-        split = split_for(micro_batches[0][0].shape[1], self.cp, self.style)
-        local = [tuple(self._local((x, y), split)) for x, y in micro_batches]
-        before = calls()
-        with sequence_split(self.mesh, self.axis, self.style, split):
+        split = self.split(micro_batches[0][0].shape[1])
+        local = [(self.take(x, split), self.take(y, split)) for x, y in micro_batches]
+        with self.attending(split):
             total = self.inner.forward_backward(local, loss_scale * self.cp, autocast)
-        self._check_attends(calls() - before)
-        return torch.tensor(self._summed(total), dtype=torch.float64)
+        return torch.tensor(self.summed(total), dtype=torch.float64)
 
     def _check_attends(self, n: int) -> None:
         """After the first step: the model attended through plait's `attention` (a model that
@@ -72,6 +95,8 @@ class ContextParallelEngine:
         if self._checked:
             return
         self._checked = True
+        if self.mesh.size("pp") > 1:  # a stage without attention (an embedding) counts its peers'
+            n = self.summed(n, ("pp",))
         if n == 0:
             raise ConfigError(
                 "parallel.cp: the model's attention never called plait.context_parallel.attention, so "
@@ -82,8 +107,7 @@ class ContextParallelEngine:
 
     @torch.no_grad()
     def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        split = split_for(x.shape[1], self.cp, self.style)
-        x, y = self._local((x, y), split)
+        split = self.split(x.shape[1])
         with sequence_split(self.mesh, self.axis, self.style, split):
-            total = self.inner.eval_loss_sum(x, y)
-        return torch.tensor(self._summed(total), dtype=torch.float64)
+            total = self.inner.eval_loss_sum(self.take(x, split), self.take(y, split))
+        return torch.tensor(self.summed(total), dtype=torch.float64)
