@@ -278,7 +278,7 @@ def test_bad_input_is_one_clear_error(runs):
     assert (
         "tp = 2 needs layout rules for Net" in errors["tp_no_rules"] and "tp_plan=" in errors["tp_no_rules"]
     )
-    assert "pp = 1 x dp = 4 x ep = 1 x tp = 1 is 4 ranks but the world size is 2" in errors["dp4"]
+    assert "pp = 1 x dp = 4 x ep = 1 x cp = 1 x tp = 1 is 4 ranks but the world size is 2" in errors["dp4"]
     assert "options key 'dp' is fixed by the Mesh given" in errors["mesh_dp"]
     make = OPTIMIZERS["sgd"][0]
     # refused before any process group exists
