@@ -314,6 +314,19 @@ def start_train(run: Path, *args, env=None, **popen) -> subprocess.Popen:
     )
 
 
+@pytest.fixture
+def ctrl_c_reaches_children():
+    """Children started in this test get Ctrl-C as a terminal's foreground job does. A suite run
+    as a background job of a shell script (`make test &`, `nohup`) inherits SIGINT ignored, and
+    so would every child exec'd from it, so that a Ctrl-C test sees nothing happen. A handler set
+    here (not SIG_IGN) becomes SIG_DFL across exec: Python's KeyboardInterrupt in the child."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @contextlib.contextmanager
 def cleaned_up(*procs: subprocess.Popen):
     """Whatever the test finds, no process of these sessions outlives it."""

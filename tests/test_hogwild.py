@@ -200,7 +200,7 @@ def _signalled_run(out, sig):
             proc.wait()
 
 
-def test_cli_sigterm_and_ctrl_c_stop_with_one_line(tmp_path):
+def test_cli_sigterm_and_ctrl_c_stop_with_one_line(tmp_path, ctrl_c_reaches_children):
     """A scheduler's SIGTERM exits 143 and Ctrl-C 130, each with one line naming the curve kept,
     no traceback (the two runs side by side)."""
     with ThreadPoolExecutor(2) as pool:
